@@ -1,0 +1,165 @@
+"""Paged attention: per-step metadata built once, and the attention that reads K/V through it.
+
+A step packs the scheduled tokens of all its sequences into one flat batch of `T` tokens. Each
+sequence `s` brings `q_len[s]` new tokens, at absolute positions `num_computed[s] ..
+num_computed[s] + q_len[s] - 1`, and attends to all `seq_len[s] = num_computed[s] + q_len[s]`
+keys so far. New keys and values are written to the pool through `slot_mapping`; every key is
+then read back through the sequence's block table, never from a per-request cache.
+
+Worked example, block_size 4. Sequence A has 5 tokens cached and decodes 1; sequence B prefills
+a first chunk of 3 tokens:
+
+    A: num_computed 5, q_len 1, block_table [7, 2]  ->  positions [5]
+    B: num_computed 0, q_len 3, block_table [4]     ->  positions [0, 1, 2]
+    flat tokens:    A5  B0  B1  B2
+    slot_mapping:   [2*4+1, 4*4+0, 4*4+1, 4*4+2] = [9, 16, 17, 18]
+    A's key slots:  [28, 29, 30, 31, 8, 9]   (positions 0..5 through blocks 7, 2)
+
+Sequences are attended in groups padded to a common query length `Q` and key length `L`: one
+group for single-token (decode) sequences, one for the rest (prefill chunks), so that a long
+chunk does not pad every decode to its length. Key padding reads slot 0, which belongs to the
+null block, and is masked out; query padding repeats the sequence's last token and is dropped.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import attrs
+import torch
+import torch.nn.functional as F  # noqa: N812
+
+
+@attrs.frozen(kw_only=True)
+class AttentionGroup:
+    """Sequences attended together in one padded SDPA call."""
+
+    query_index: torch.Tensor  # [S, Q] flat token index of each query (padding repeats one)
+    kv_index: torch.Tensor  # [S, L] pool slot of each key (padding: slot 0, the null block)
+    mask: torch.Tensor  # [S, 1, Q, L] True where the query may attend the key
+    valid: torch.Tensor  # [S, Q] True for real (unpadded) queries
+    output_index: torch.Tensor  # [N] flat token index of each real query, in `valid` order
+
+
+@attrs.frozen(kw_only=True)
+class AttentionMetadata:
+    """Everything attention needs for one step; built once, used by every layer."""
+
+    slot_mapping: torch.Tensor  # [T] pool slot for each new token's K and V
+    groups: tuple[AttentionGroup, ...]
+
+
+def build_attention_metadata(
+    *,
+    num_computed: Sequence[int],
+    query_lens: Sequence[int],
+    block_tables: Sequence[Sequence[int]],
+    block_size: int,
+    device: torch.device,
+) -> AttentionMetadata:
+    starts = [0]
+    for q_len in query_lens:
+        starts.append(starts[-1] + q_len)
+    slot_mapping = torch.cat(
+        [
+            slots_for(block_tables[s], range(num_computed[s], num_computed[s] + q_len), block_size)
+            for s, q_len in enumerate(query_lens)
+        ]
+    )
+    decode = [s for s, q_len in enumerate(query_lens) if q_len == 1]
+    prefill = [s for s, q_len in enumerate(query_lens) if q_len > 1]
+    groups = tuple(
+        build_group(
+            [num_computed[s] for s in members],
+            [query_lens[s] for s in members],
+            [block_tables[s] for s in members],
+            [starts[s] for s in members],
+            block_size,
+            device,
+        )
+        for members in (decode, prefill)
+        if members
+    )
+    return AttentionMetadata(slot_mapping=slot_mapping.to(device), groups=groups)
+
+
+def slots_for(block_table: Sequence[int], positions: range, block_size: int) -> torch.Tensor:
+    pos = torch.tensor(positions, dtype=torch.long)
+    table = torch.tensor(block_table, dtype=torch.long)
+    return table[pos // block_size] * block_size + pos % block_size
+
+
+def build_group(
+    num_computed: list[int],
+    query_lens: list[int],
+    block_tables: list[Sequence[int]],
+    starts: list[int],
+    block_size: int,
+    device: torch.device,
+) -> AttentionGroup:
+    computed = torch.tensor(num_computed, dtype=torch.long)
+    q_lens = torch.tensor(query_lens, dtype=torch.long)
+    seq_lens = computed + q_lens
+    max_q, max_len = int(q_lens.max()), int(seq_lens.max())
+    max_blocks = -(-max_len // block_size)
+    tables = torch.zeros(len(block_tables), max_blocks, dtype=torch.long)  # padded with block 0
+    for s, table in enumerate(block_tables):
+        used = table[:max_blocks]
+        tables[s, : len(used)] = torch.tensor(used, dtype=torch.long)
+
+    q_offset = torch.arange(max_q)
+    valid = q_offset[None, :] < q_lens[:, None]  # [S, Q]
+    query_index = torch.tensor(starts)[:, None] + torch.minimum(q_offset, q_lens[:, None] - 1)
+
+    key_pos = torch.arange(max_len)
+    kv_index = tables[:, key_pos // block_size] * block_size + key_pos % block_size
+    kv_index = torch.where(key_pos[None, :] < seq_lens[:, None], kv_index, 0)
+    # A query at absolute position p attends keys 0..p. Padded queries repeat the last real one,
+    # so every row has at least one key and SDPA never sees a fully masked row.
+    query_pos = computed[:, None] + torch.minimum(q_offset, q_lens[:, None] - 1)  # [S, Q]
+    mask = key_pos[None, None, :] <= query_pos[:, :, None]  # [S, Q, L]
+    return AttentionGroup(
+        query_index=query_index.to(device),
+        kv_index=kv_index.to(device),
+        mask=mask[:, None].to(device),
+        valid=valid.to(device),
+        output_index=query_index[valid].to(device),
+    )
+
+
+def write_kv(
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    slot_mapping: torch.Tensor,
+) -> None:
+    """Store the step's new keys and values ([T, H_kv, D]) at their slots in one layer's pool."""
+    num_kv_heads, head_dim = key.shape[1], key.shape[2]
+    k_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, slot_mapping, key)
+    v_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, slot_mapping, value)
+
+
+def paged_attention(
+    query: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    metadata: AttentionMetadata,
+    scale: float,
+) -> torch.Tensor:
+    """Causal attention of the flat queries [T, H_q, D] over the keys their block tables name."""
+    num_kv_heads, head_dim = k_cache.shape[2], k_cache.shape[3]
+    keys = k_cache.view(-1, num_kv_heads, head_dim)
+    values = v_cache.view(-1, num_kv_heads, head_dim)
+    out = torch.empty_like(query)
+    for group in metadata.groups:
+        o = F.scaled_dot_product_attention(
+            query[group.query_index].transpose(1, 2),  # [S, H_q, Q, D]
+            keys[group.kv_index].transpose(1, 2),  # [S, H_kv, L, D]
+            values[group.kv_index].transpose(1, 2),
+            attn_mask=group.mask,
+            scale=scale,
+            enable_gqa=True,
+        )
+        out[group.output_index] = o.transpose(1, 2)[group.valid]
+    return out

@@ -1,0 +1,152 @@
+"""A compact Llama-family forward pass (Llama, Mistral, Qwen2, SmolLM) over the paged KV pool.
+
+Weights are taken from a loaded transformers model; q/k/v and gate/up are fused into one matrix
+product each. The arithmetic follows transformers' modules step for step (RMSNorm in float32,
+rotary embedding from the model's own rotary module) so that greedy fp32 decoding gives the very
+tokens of `generate`. The forward takes the whole step's tokens flat, `[T]`, with no batch axis.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import attrs
+import torch
+import torch.nn.functional as F  # noqa: N812
+
+from loom.attention import AttentionMetadata, paged_attention, write_kv
+from loom.kv_cache import KVCache, KVCacheShape
+
+
+@attrs.frozen(kw_only=True)
+class LlamaLayer:
+    input_norm: torch.Tensor
+    qkv_weight: torch.Tensor  # [(H_q + 2 H_kv) D, hidden]
+    qkv_bias: torch.Tensor | None  # Qwen2 has one
+    o_weight: torch.Tensor
+    o_bias: torch.Tensor | None  # Llama with attention_bias has one
+    post_norm: torch.Tensor
+    gate_up_weight: torch.Tensor  # [2 intermediate, hidden]
+    down_weight: torch.Tensor
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    x32 = x.float()
+    x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + eps)
+    return weight * x32.to(x.dtype)
+
+
+def rotate_half(x: torch.Tensor) -> torch.Tensor:
+    half = x.shape[-1] // 2
+    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+
+
+class LlamaModel:
+    """The forward pass of a Llama-family causal LM, reading and writing K/V through the pool."""
+
+    def __init__(self, hf_model: Any) -> None:
+        config = hf_model.config
+        self.num_heads: int = config.num_attention_heads
+        self.num_kv_heads: int = config.num_key_value_heads
+        self.head_dim: int = getattr(config, "head_dim", None) or (
+            config.hidden_size // self.num_heads
+        )
+        self.eps: float = config.rms_norm_eps
+        self.scale = self.head_dim**-0.5
+        self.vocab_size: int = config.vocab_size
+        # Sliding-window attention is not implemented: stay within the window, where it is exact.
+        window = getattr(config, "sliding_window", None)
+        if not getattr(config, "use_sliding_window", True):
+            window = None
+        self.max_model_len: int = min(config.max_position_embeddings, window or 1 << 62)
+        if getattr(config, "mlp_bias", False):
+            raise ValueError("Llama models with mlp_bias are not supported")
+        self.rotary = hf_model.model.rotary_emb
+        weights: dict[str, torch.Tensor] = dict(hf_model.state_dict())
+        self.embed = weights["model.embed_tokens.weight"]
+        self.final_norm = weights["model.norm.weight"]
+        self.lm_head = weights.get("lm_head.weight", self.embed)
+        self.layers = [
+            self.fuse_layer(weights, f"model.layers.{i}.") for i in range(config.num_hidden_layers)
+        ]
+
+    @staticmethod
+    def fuse_layer(weights: dict[str, torch.Tensor], prefix: str) -> LlamaLayer:
+        attn, mlp = prefix + "self_attn.", prefix + "mlp."
+        qkv_biases = [
+            weights[f"{attn}{p}_proj.bias"] for p in "qkv" if f"{attn}{p}_proj.bias" in weights
+        ]
+        return LlamaLayer(
+            input_norm=weights[prefix + "input_layernorm.weight"],
+            qkv_weight=torch.cat([weights[f"{attn}{p}_proj.weight"] for p in "qkv"]),
+            qkv_bias=torch.cat(qkv_biases) if qkv_biases else None,
+            o_weight=weights[attn + "o_proj.weight"],
+            o_bias=weights.get(attn + "o_proj.bias"),
+            post_norm=weights[prefix + "post_attention_layernorm.weight"],
+            gate_up_weight=torch.cat(
+                [weights[mlp + "gate_proj.weight"], weights[mlp + "up_proj.weight"]]
+            ),
+            down_weight=weights[mlp + "down_proj.weight"],
+        )
+
+    def kv_cache_shape(self, block_size: int) -> KVCacheShape:
+        return KVCacheShape(
+            num_layers=len(self.layers),
+            block_size=block_size,
+            num_kv_heads=self.num_kv_heads,
+            head_dim=self.head_dim,
+            dtype=self.embed.dtype,
+        )
+
+    def forward(
+        self,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        metadata: AttentionMetadata,
+        kv_cache: KVCache,
+        logits_index: torch.Tensor,
+    ) -> torch.Tensor:
+        """Logits [len(logits_index), vocab] for the flat tokens at `logits_index`."""
+        hidden = F.embedding(input_ids, self.embed)
+        cos, sin = self.rotary(hidden, positions[None])
+        cos, sin = cos[0, :, None, :], sin[0, :, None, :]  # [T, 1, D]: broadcast over heads
+        for layer, k_cache, v_cache in zip(self.layers, kv_cache.k, kv_cache.v, strict=True):
+            hidden = hidden + self.attention(
+                layer,
+                rms_norm(hidden, layer.input_norm, self.eps),
+                cos,
+                sin,
+                metadata,
+                k_cache,
+                v_cache,
+            )
+            hidden = hidden + self.mlp(layer, rms_norm(hidden, layer.post_norm, self.eps))
+        last = rms_norm(hidden[logits_index], self.final_norm, self.eps)
+        return F.linear(last, self.lm_head)
+
+    def attention(
+        self,
+        layer: LlamaLayer,
+        x: torch.Tensor,
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+        metadata: AttentionMetadata,
+        k_cache: torch.Tensor,
+        v_cache: torch.Tensor,
+    ) -> torch.Tensor:
+        num_tokens = x.shape[0]
+        q_size, kv_size = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
+        qkv = F.linear(x, layer.qkv_weight, layer.qkv_bias)
+        q, k, v = torch.split(qkv, [q_size, kv_size, kv_size], dim=-1)
+        q = q.view(num_tokens, self.num_heads, self.head_dim)
+        k = k.view(num_tokens, self.num_kv_heads, self.head_dim)
+        v = v.view(num_tokens, self.num_kv_heads, self.head_dim)
+        q = q * cos + rotate_half(q) * sin
+        k = k * cos + rotate_half(k) * sin
+        write_kv(k_cache, v_cache, k, v, metadata.slot_mapping)
+        out = paged_attention(q, k_cache, v_cache, metadata, self.scale)
+        return F.linear(out.reshape(num_tokens, q_size), layer.o_weight, layer.o_bias)
+
+    def mlp(self, layer: LlamaLayer, x: torch.Tensor) -> torch.Tensor:
+        gate, up = F.linear(x, layer.gate_up_weight).chunk(2, dim=-1)
+        return F.linear(F.silu(gate) * up, layer.down_weight)

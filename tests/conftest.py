@@ -1,0 +1,68 @@
+"""Shared fixtures: tiny random-weight Llama and Qwen2 models built from configs, and SmolLM2.
+
+Rules for every test: loopback only, port 0, a timeout on every I/O test, real components.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import pytest
+import torch
+from transformers import LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM
+
+from loom.loader import LoadedModel, load_model
+
+TINY_SHAPE = {
+    "vocab_size": 512,
+    "hidden_size": 64,
+    "intermediate_size": 128,
+    "num_hidden_layers": 2,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 2,
+    "max_position_embeddings": 512,
+    # Larger than the usual 0.02, so that greedy choices are not near-ties decided by rounding.
+    "initializer_range": 0.1,
+    "eos_token_id": None,
+    "bos_token_id": None,
+    "pad_token_id": None,
+}
+
+FAMILIES: dict[str, tuple[type, type]] = {
+    "llama": (LlamaConfig, LlamaForCausalLM),
+    "qwen2": (Qwen2Config, Qwen2ForCausalLM),
+}
+
+
+def tiny_model(family: str, seed: int = 0) -> LoadedModel:
+    config_cls, model_cls = FAMILIES[family]
+    torch.manual_seed(seed)
+    model = model_cls(config_cls(**TINY_SHAPE)).eval()
+    return LoadedModel(
+        name=f"tiny-{family}",
+        model=model,
+        tokenizer=None,
+        dtype=torch.float32,
+        device=torch.device("cpu"),
+    )
+
+
+@pytest.fixture(params=sorted(FAMILIES))
+def tiny(request: pytest.FixtureRequest) -> LoadedModel:
+    return tiny_model(request.param)
+
+
+@pytest.fixture(scope="session")
+def smollm2() -> LoadedModel:
+    """The real default model, converted once into the user's model cache."""
+    return load_model(None, dtype=torch.float32, device=torch.device("cpu"))
+
+
+@pytest.fixture
+def random_prompt() -> Callable[[int, int], list[int]]:
+    generator = torch.Generator().manual_seed(1234)
+
+    def make(length: int, vocab: int = 512) -> list[int]:
+        return torch.randint(0, vocab, (length,), generator=generator).tolist()
+
+    return make
