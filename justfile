@@ -1,6 +1,8 @@
 # Loom's tasks. `just --list` shows them; each sets up .venv first when it needs it.
 
 set shell := ["bash", "-euo", "pipefail", "-c"]
+# Recipe arguments reach commands as "$@", quoted as given.
+set positional-arguments
 
 python := ".venv/bin/python"
 # The torch build to install: the CPU wheel by default; e.g. LOOM_TORCH="torch==2.13.0" with a
@@ -20,11 +22,11 @@ setup:
 
 # Serve the default model (until the gRPC server lands: generate offline through the runner)
 serve *args: setup
-    {{python}} examples/generate.py {{args}}
+    {{python}} examples/generate.py "$@"
 
 # Run the test suite (args go to pytest, e.g. `just test -m "not smollm2"`)
 test *args: setup
-    {{python}} -m pytest {{args}}
+    {{python}} -m pytest "$@"
 
 # Lint and check formatting
 lint: setup
