@@ -12,6 +12,7 @@ from __future__ import annotations
 import argparse
 import sys
 import time
+from pathlib import Path
 
 import torch
 
@@ -25,6 +26,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("prompt", nargs="?", default="What is the capital of France?")
     parser.add_argument("--model", default=None, help="HF folder, hub id or GGUF file")
+    parser.add_argument("--model-cache", type=Path, default=None, help="converted-model cache")
     parser.add_argument("--max-tokens", type=int, default=64)
     parser.add_argument("--device", default="auto")
     parser.add_argument("--dtype", default="auto")
@@ -32,7 +34,12 @@ def main() -> None:
 
     device = resolve_device(args.device)
     started = time.perf_counter()
-    loaded = load_model(args.model, dtype=resolve_dtype(args.dtype, device), device=device)
+    loaded = load_model(
+        args.model,
+        dtype=resolve_dtype(args.dtype, device),
+        device=device,
+        cache_dir=args.model_cache,
+    )
     print(f"loaded {loaded.name} in {time.perf_counter() - started:.1f} s", file=sys.stderr)
     tokenizer = loaded.tokenizer
     prompt = list(

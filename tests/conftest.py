@@ -9,7 +9,14 @@ from collections.abc import Callable
 
 import pytest
 import torch
-from transformers import LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM
+from transformers import (
+    LlamaConfig,
+    LlamaForCausalLM,
+    MistralConfig,
+    MistralForCausalLM,
+    Qwen2Config,
+    Qwen2ForCausalLM,
+)
 
 from loom.loader import LoadedModel, load_model
 
@@ -30,6 +37,7 @@ TINY_SHAPE = {
 
 FAMILIES: dict[str, tuple[type, type]] = {
     "llama": (LlamaConfig, LlamaForCausalLM),
+    "mistral": (MistralConfig, MistralForCausalLM),
     "qwen2": (Qwen2Config, Qwen2ForCausalLM),
 }
 

@@ -7,10 +7,12 @@ import random
 from collections.abc import Callable
 
 import pytest
+import torch
 
 from loom.block_manager import BlockManager
 from loom.loader import LoadedModel
 from loom.model_runner import ModelRunner, ScheduledSequence
+from tests.conftest import tiny_model
 from tests.greedy import GreedyRequest, reference_tokens, run_greedy
 
 Prompt = Callable[[int, int], list[int]]
@@ -167,3 +169,27 @@ def test_model_runner_matches_generate_on_smollm2(smollm2: LoadedModel) -> None:
     assert log.chunked_prompts >= 1
     assert {r.request_id: r.output for r in requests} == expected
     assert manager.num_free_blocks == manager.num_total_blocks
+
+
+def test_model_runner_in_bfloat16_tracks_transformers_in_bfloat16(random_prompt: Prompt) -> None:
+    loaded = tiny_model("llama")
+    loaded.model.to(torch.bfloat16)
+    bf16 = LoadedModel(
+        name=loaded.name,
+        model=loaded.model,
+        tokenizer=None,
+        dtype=torch.bfloat16,
+        device=loaded.device,
+    )
+    runner = ModelRunner(bf16, num_blocks=16, block_size=4)
+    assert runner.kv_cache.k[0].dtype == torch.bfloat16
+    prompt = random_prompt(13, 512)
+    seq = ScheduledSequence(
+        request_id="x", token_ids=tuple(prompt), num_computed_tokens=0, block_table=(1, 2, 3, 4)
+    )
+    ours = runner.execute([seq])[0]
+    with torch.inference_mode():
+        theirs = bf16.model(torch.tensor([prompt])).logits[0, -1].float()
+    assert ours.dtype == torch.float32
+    assert torch.allclose(ours, theirs, atol=0.1, rtol=0.05)
+    assert int(ours.argmax()) == int(theirs.argmax())
