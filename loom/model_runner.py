@@ -31,11 +31,26 @@ class ScheduledSequence:
 class ModelRunner:
     """Runs batched steps of a loaded model over a paged KV pool of `num_blocks` blocks."""
 
-    def __init__(self, loaded: LoadedModel, *, num_blocks: int, block_size: int = 16) -> None:
+    def __init__(
+        self,
+        loaded: LoadedModel,
+        *,
+        block_size: int = 16,
+        num_blocks: int | None = None,
+        kv_cache_memory: int | None = None,
+        kv_cache_memory_fraction: float | None = None,
+    ) -> None:
+        """A pool of `num_blocks` blocks, or as many as a budget (bytes or a fraction) holds."""
         self.device = loaded.device
         self.block_size = block_size
         self.model = LlamaModel(loaded.model)
         self.kv_cache_shape = self.model.kv_cache_shape(block_size)
+        if num_blocks is None:
+            num_blocks = self.kv_cache_shape.num_blocks_for(
+                memory_bytes=kv_cache_memory,
+                memory_fraction=kv_cache_memory_fraction,
+                device=self.device,
+            )
         self.kv_cache = KVCache.allocate(self.kv_cache_shape, num_blocks, self.device)
 
     @property

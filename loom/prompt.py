@@ -1,0 +1,149 @@
+"""Prompts (text, chat messages or token ids): tokenising and the checks of admission.
+
+A request that could never be served is refused here, before it can sit in the queue: an empty
+prompt, a token id outside the vocabulary, prompt + max_tokens beyond the context, or more KV
+blocks than the whole pool holds. A full backlog of queued prompt tokens refuses it as overload.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Sequence
+from typing import TYPE_CHECKING, Any
+
+import attrs
+import trio
+
+from loom.block_manager import BlockManager, num_blocks_for
+from loom.errors import EngineOverloadedError, InvalidRequestError
+from loom.loader import LoadedModel
+from loom.model_runner import ModelRunner
+from loom.request import Request
+
+if TYPE_CHECKING:
+    from loom.engine import Submission
+
+
+@attrs.frozen(kw_only=True)
+class ChatMessage:
+    role: str
+    content: str
+
+
+Prompt = str | Sequence[int] | Sequence[ChatMessage]
+
+
+@attrs.frozen(kw_only=True)
+class PromptChecker:
+    tokenizer: Any  # None for models loaded without one: token-id prompts only
+    vocab_size: int
+    max_model_len: int
+    block_size: int
+    num_total_blocks: int
+    eos_token_ids: tuple[int, ...]
+    max_waiting_tokens: int
+
+    @classmethod
+    def for_model(
+        cls,
+        loaded: LoadedModel,
+        runner: ModelRunner,
+        block_manager: BlockManager,
+        max_waiting_tokens: int,
+    ) -> PromptChecker:
+        eos = loaded.model.generation_config.eos_token_id
+        if eos is None and loaded.tokenizer is not None:
+            eos = loaded.tokenizer.eos_token_id
+        eos_ids = (eos,) if isinstance(eos, int) else tuple(eos or ())
+        return cls(
+            tokenizer=loaded.tokenizer,
+            vocab_size=runner.vocab_size,
+            # Never more tokens than the whole pool holds.
+            max_model_len=min(
+                runner.max_model_len, block_manager.num_total_blocks * block_manager.block_size
+            ),
+            block_size=block_manager.block_size,
+            num_total_blocks=block_manager.num_total_blocks,
+            eos_token_ids=eos_ids,
+            max_waiting_tokens=max_waiting_tokens,
+        )
+
+    @staticmethod
+    def invalid(message: str) -> InvalidRequestError:
+        return InvalidRequestError(message)
+
+    async def admit(self, submission: Submission, waiting: Iterable[Request]) -> Request:
+        token_ids = await self.tokenize(submission.prompt)
+        max_tokens = self.check(token_ids, submission.sampling.max_tokens)
+        queued = sum(r.num_prompt_tokens for r in waiting)
+        if queued + len(token_ids) > self.max_waiting_tokens:
+            raise EngineOverloadedError(
+                f"the queued prompt tokens would exceed max_waiting_tokens="
+                f"{self.max_waiting_tokens} ({queued} queued, this prompt {len(token_ids)})"
+            )
+        return Request(
+            request_id=submission.request_id,
+            prompt_token_ids=token_ids,
+            sampling=submission.sampling,
+            max_tokens=max_tokens,
+            eos_token_ids=self.eos_token_ids,
+            arrival_time=submission.arrival_time,
+            deadline=submission.deadline,
+        )
+
+    async def tokenize(self, prompt: Prompt) -> list[int]:
+        if isinstance(prompt, str):
+            if not prompt:
+                raise InvalidRequestError("prompt text must not be empty")
+            return await trio.to_thread.run_sync(self.encode_text, prompt)
+        items = list(prompt)
+        if not items:
+            raise InvalidRequestError("prompt must not be empty (text, messages or token_ids)")
+        messages = [m for m in items if isinstance(m, ChatMessage)]
+        if len(messages) == len(items):
+            return await trio.to_thread.run_sync(self.encode_chat, messages)
+        if not all(isinstance(t, int) for t in items):
+            raise InvalidRequestError("prompt must be text, chat messages or token ids")
+        for t in items:
+            if not (0 <= t < self.vocab_size):  # type: ignore[operator]
+                raise InvalidRequestError(
+                    f"token_ids must be in [0, {self.vocab_size}) (the vocabulary size), got {t}"
+                )
+        return items  # type: ignore[return-value]
+
+    def encode_text(self, text: str) -> list[int]:
+        return list(self.need_tokenizer().encode(text))
+
+    def encode_chat(self, messages: list[ChatMessage]) -> list[int]:
+        tokenizer = self.need_tokenizer()
+        if tokenizer.chat_template is None:
+            raise InvalidRequestError("messages need a chat template; this model has none")
+        encoded = tokenizer.apply_chat_template(
+            [{"role": m.role, "content": m.content} for m in messages],
+            add_generation_prompt=True,
+            tokenize=True,
+        )
+        return list(encoded if isinstance(encoded, list) else encoded["input_ids"])
+
+    def need_tokenizer(self) -> Any:
+        if self.tokenizer is None:
+            raise InvalidRequestError("text prompts need a tokenizer; this model has none")
+        return self.tokenizer
+
+    def check(self, token_ids: list[int], max_tokens: int | None) -> int:
+        """The request's resolved max_tokens, or why it can never be served."""
+        num_prompt = len(token_ids)
+        if not token_ids:
+            raise InvalidRequestError("prompt must not be empty")
+        if num_prompt + (max_tokens or 1) > self.max_model_len:
+            raise InvalidRequestError(
+                f"prompt ({num_prompt} tokens) + max_tokens ({max_tokens or 1}) exceeds the "
+                f"context length of {self.max_model_len} tokens"
+            )
+        resolved = max_tokens or self.max_model_len - num_prompt
+        num_blocks = num_blocks_for(num_prompt + resolved, self.block_size)
+        if num_blocks > self.num_total_blocks:
+            raise InvalidRequestError(
+                f"prompt + max_tokens needs {num_blocks} KV blocks; the pool holds "
+                f"{self.num_total_blocks}"
+            )
+        return resolved

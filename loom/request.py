@@ -1,0 +1,100 @@
+"""A request's state as the scheduler and engine see it. Plain Python: no torch, no trio."""
+
+from __future__ import annotations
+
+import enum
+from typing import Any
+
+import attrs
+
+from loom.request_output import FinishReason
+from loom.sampling_params import SamplingParams
+
+
+class RequestStatus(enum.IntEnum):
+    """Ordered so that `status >= FINISHED_STOPPED` means finished, whatever the reason."""
+
+    WAITING = 0
+    RUNNING = 1
+    PREEMPTED = 2
+    FINISHED_STOPPED = 3
+    FINISHED_LENGTH = 4
+    FINISHED_STOP_SEQUENCE = 5
+    FINISHED_ABORTED = 6
+    FINISHED_STALLED = 7
+    FINISHED_DEADLINE = 8
+    FINISHED_ERROR = 9
+
+    @property
+    def finished(self) -> bool:
+        return self >= RequestStatus.FINISHED_STOPPED
+
+    @property
+    def finish_reason(self) -> FinishReason | None:
+        return FINISH_REASONS.get(self)
+
+
+FINISH_REASONS = {
+    RequestStatus.FINISHED_STOPPED: FinishReason.STOP,
+    RequestStatus.FINISHED_LENGTH: FinishReason.LENGTH,
+    RequestStatus.FINISHED_STOP_SEQUENCE: FinishReason.STOP_SEQUENCE,
+    RequestStatus.FINISHED_ABORTED: FinishReason.ABORTED,
+    RequestStatus.FINISHED_STALLED: FinishReason.STALLED,
+    RequestStatus.FINISHED_DEADLINE: FinishReason.DEADLINE,
+    RequestStatus.FINISHED_ERROR: FinishReason.ERROR,
+}
+
+
+@attrs.define(eq=False)
+class Request:
+    """`num_computed_tokens` catches up with `num_tokens`; when it does, a new token is sampled."""
+
+    request_id: str
+    prompt_token_ids: list[int]
+    sampling: SamplingParams
+    max_tokens: int  # resolved: sampling.max_tokens, or what the context leaves
+    eos_token_ids: tuple[int, ...]  # empty when the model has none
+    arrival_time: float
+    deadline: float | None = None
+    output_token_ids: list[int] = attrs.field(factory=list)
+    num_computed_tokens: int = 0
+    status: RequestStatus = RequestStatus.WAITING
+    num_preemptions: int = 0
+    paused_since: float | None = None  # its consumer's buffer is full: not scheduled
+    first_scheduled_time: float | None = None
+    first_token_time: float | None = None
+    error: str | None = None
+    generator: Any = None  # the sampler's per-request torch.Generator, for seeded sampling
+
+    @property
+    def num_prompt_tokens(self) -> int:
+        return len(self.prompt_token_ids)
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.prompt_token_ids) + len(self.output_token_ids)
+
+    @property
+    def all_token_ids(self) -> list[int]:
+        return self.prompt_token_ids + self.output_token_ids
+
+    @property
+    def finished(self) -> bool:
+        return self.status.finished
+
+    @property
+    def paused(self) -> bool:
+        return self.paused_since is not None
+
+    def stop_status(self) -> RequestStatus | None:
+        """How the last sampled token ends the request, if it does (stop strings aside)."""
+        token = self.output_token_ids[-1]
+        num_output = len(self.output_token_ids)
+        if num_output >= self.sampling.min_tokens and (
+            token in self.sampling.stop_token_ids
+            or (token in self.eos_token_ids and not self.sampling.ignore_eos)
+        ):
+            return RequestStatus.FINISHED_STOPPED
+        if num_output >= self.max_tokens:
+            return RequestStatus.FINISHED_LENGTH
+        return None

@@ -1,0 +1,63 @@
+"""What a request's consumer receives: new tokens and text as they come, then a final output."""
+
+from __future__ import annotations
+
+import enum
+
+import attrs
+
+
+class FinishReason(enum.StrEnum):
+    STOP = "stop"  # EOS or a stop token id
+    LENGTH = "length"  # max_tokens or the context length
+    STOP_SEQUENCE = "stop_sequence"  # a stop string
+    ABORTED = "aborted"  # the consumer went away or asked to abort
+    STALLED = "stalled"  # the consumer stopped reading for longer than the stall timeout
+    DEADLINE = "deadline"  # the request's deadline passed, queued or mid-decode
+    ERROR = "error"  # the engine stopped or crashed
+
+
+@attrs.frozen(kw_only=True)
+class TokenLogprob:
+    token_id: int
+    logprob: float
+
+
+@attrs.frozen(kw_only=True)
+class Logprobs:
+    """The chosen token's log-probability and the top alternatives (most likely first)."""
+
+    chosen: TokenLogprob
+    top: tuple[TokenLogprob, ...]
+
+
+@attrs.frozen(kw_only=True)
+class Usage:
+    prompt_tokens: int
+    completion_tokens: int
+    cached_tokens: int = 0
+
+
+@attrs.frozen(kw_only=True)
+class Timings:
+    queue_ms: float  # arrival to first scheduled
+    ttft_ms: float | None  # arrival to first token; None when no token came
+    e2e_ms: float  # arrival to finish
+
+
+@attrs.frozen(kw_only=True)
+class RequestOutput:
+    """A delta of new tokens and text; the last one also carries the finish and the totals."""
+
+    request_id: str
+    token_ids: tuple[int, ...] = ()
+    text: str = ""
+    logprobs: tuple[Logprobs, ...] = ()
+    finish_reason: FinishReason | None = None
+    error: str | None = None  # why, for ABORTED, STALLED, DEADLINE and ERROR
+    usage: Usage | None = None
+    timings: Timings | None = None
+
+    @property
+    def finished(self) -> bool:
+        return self.finish_reason is not None

@@ -1,0 +1,77 @@
+"""One request's outputs on their way from the engine to a consumer, through a bounded buffer.
+
+The engine side never waits: `push` appends and wakes the consumer (a trio task, or the gRPC
+bridge's asyncio loop in another thread: hence the lock). When the buffer holds `capacity`
+outputs the engine pauses the request; the consumer's `take` empties the buffer and, if the
+request was paused, calls `on_drained` so the engine resumes it: hysteresis of a whole buffer.
+Errors found before the request runs (invalid, overloaded) end the stream as an exception.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections import deque
+from collections.abc import AsyncGenerator, Callable
+
+import trio
+
+from loom.request_output import RequestOutput
+
+
+def nothing() -> None:
+    pass
+
+
+class RequestStream:
+    def __init__(self, request_id: str, capacity: int) -> None:
+        self.request_id = request_id
+        self.capacity = capacity
+        self.buffer: deque[RequestOutput] = deque()
+        self.error: BaseException | None = None
+        self.closed = False  # the final output or an error was pushed
+        self.paused = False
+        self.wake: Callable[[], None] = nothing  # set by the consumer
+        self.on_drained: Callable[[], None] = nothing  # set by the engine
+        self.lock = threading.Lock()
+
+    def push(self, output: RequestOutput) -> bool:
+        """Engine side: append without waiting. True when the buffer is now full."""
+        with self.lock:
+            self.buffer.append(output)
+            self.closed = output.finished
+            full = len(self.buffer) >= self.capacity
+        self.wake()
+        return full
+
+    def fail(self, error: BaseException) -> None:
+        with self.lock:
+            self.error, self.closed = error, True
+        self.wake()
+
+    def take(self) -> list[RequestOutput]:
+        """Consumer side: everything buffered; raises the stream's error once it is drained."""
+        with self.lock:
+            outputs = list(self.buffer)
+            self.buffer.clear()
+            error = self.error if not outputs else None
+            resume, self.paused = self.paused, False
+        if resume:
+            self.on_drained()
+        if error is not None:
+            raise error
+        return outputs
+
+    async def outputs(self) -> AsyncGenerator[RequestOutput, None]:
+        """Consumer side, for trio code: each output until the final one."""
+        event = trio.Event()
+        self.wake = event.set
+        while True:
+            batch = self.take()
+            for output in batch:
+                yield output
+                if output.finished:
+                    return
+            if not batch:
+                await event.wait()
+                event = trio.Event()
+                self.wake = event.set

@@ -1,0 +1,154 @@
+"""Batched sampling on tensors: one row per request, no Python loop over the vocabulary.
+
+Order, as in vLLM: penalties and min_tokens on the raw logits; greedy rows take the argmax;
+the others are divided by their temperature, cut by top_k, top_p and min_p, and sampled by the
+exponential race (`argmax(p / q)`, `q ~ Exp(1)`), which equals sampling from `p` and lets each
+seeded request draw its `q` from its own generator: the same seed gives the same tokens whatever
+else shares the batch. Logprobs are those of the raw model distribution.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import attrs
+import torch
+
+from loom.request import Request
+from loom.request_output import Logprobs, TokenLogprob
+
+
+@attrs.frozen(kw_only=True)
+class SamplerOutput:
+    token_ids: list[int]
+    logprobs: list[Logprobs | None]
+
+
+class Sampler:
+    def __init__(self, vocab_size: int, device: torch.device) -> None:
+        self.vocab_size = vocab_size
+        self.device = device
+
+    def sample(self, logits: torch.Tensor, requests: Sequence[Request]) -> SamplerOutput:
+        """Sample one token for each row of float32 `logits` [N, V], row i for requests[i]."""
+        logits = logits[:, : self.vocab_size]
+        raw_logprobs = (
+            torch.log_softmax(logits, dim=-1)
+            if any(r.sampling.logprobs is not None for r in requests)
+            else None
+        )
+        if any(r.sampling.has_penalties for r in requests):
+            logits = self.apply_penalties(logits, requests)
+        logits = self.apply_min_tokens(logits, requests)
+        token_ids = logits.argmax(dim=-1)
+        random_rows = [i for i, r in enumerate(requests) if not r.sampling.greedy]
+        if random_rows:
+            rows = torch.tensor(random_rows, device=logits.device)
+            chosen = self.sample_random(logits[rows], [requests[i] for i in random_rows])
+            token_ids[rows] = chosen
+        ids = token_ids.tolist()
+        if raw_logprobs is None:
+            return SamplerOutput(token_ids=ids, logprobs=[None] * len(ids))
+        return SamplerOutput(token_ids=ids, logprobs=gather_logprobs(raw_logprobs, ids, requests))
+
+    def apply_penalties(self, logits: torch.Tensor, requests: Sequence[Request]) -> torch.Tensor:
+        counts = self.token_counts([r.output_token_ids for r in requests])
+        seen = counts + self.token_counts([r.prompt_token_ids for r in requests])
+        frequency = self.column([r.sampling.frequency_penalty for r in requests])
+        presence = self.column([r.sampling.presence_penalty for r in requests])
+        repetition = self.column([r.sampling.repetition_penalty for r in requests])
+        penalised = torch.where(logits > 0, logits / repetition, logits * repetition)
+        logits = torch.where(seen > 0, penalised, logits)
+        return logits - frequency * counts - presence * (counts > 0).float()
+
+    def apply_min_tokens(self, logits: torch.Tensor, requests: Sequence[Request]) -> torch.Tensor:
+        """Forbid EOS and the stop token ids until a request has its min_tokens."""
+        rows, columns = [], []
+        for i, r in enumerate(requests):
+            if len(r.output_token_ids) < r.sampling.min_tokens:
+                banned = {*r.sampling.stop_token_ids}
+                if not r.sampling.ignore_eos:
+                    banned.update(r.eos_token_ids)
+                banned = {t for t in banned if t < self.vocab_size}
+                rows += [i] * len(banned)
+                columns += sorted(banned)
+        if not rows:
+            return logits
+        logits = logits.clone()
+        logits[rows, columns] = float("-inf")
+        return logits
+
+    def sample_random(self, logits: torch.Tensor, requests: Sequence[Request]) -> torch.Tensor:
+        logits = logits / self.column([r.sampling.temperature for r in requests])
+        top_k = [r.sampling.top_k for r in requests]
+        top_p = [r.sampling.top_p for r in requests]
+        if any(k > 0 for k in top_k) or any(p < 1.0 for p in top_p):
+            logits = self.cut_top_k_top_p(logits, top_k, top_p)
+        probs = torch.softmax(logits, dim=-1)
+        min_p = [r.sampling.min_p for r in requests]
+        if any(p > 0 for p in min_p):
+            floor = self.column(min_p) * probs.max(dim=-1, keepdim=True).values
+            probs = probs.masked_fill(probs < floor, 0.0)
+        exponential = torch.empty_like(probs)
+        exponential.exponential_()
+        for i, r in enumerate(requests):
+            if r.sampling.seed is not None:
+                if r.generator is None:
+                    r.generator = torch.Generator(device=self.device).manual_seed(r.sampling.seed)
+                exponential[i].exponential_(generator=r.generator)
+        return (probs / exponential).argmax(dim=-1)
+
+    def cut_top_k_top_p(
+        self, logits: torch.Tensor, top_k: list[int], top_p: list[float]
+    ) -> torch.Tensor:
+        """Mask all but each row's top_k most likely tokens and its top_p nucleus."""
+        sorted_logits, order = logits.sort(dim=-1, descending=True)
+        k = torch.tensor([t if t > 0 else self.vocab_size for t in top_k], device=logits.device)
+        cut = torch.arange(logits.shape[-1], device=logits.device)[None, :] >= k[:, None]
+        sorted_probs = torch.softmax(sorted_logits, dim=-1)
+        before = sorted_probs.cumsum(dim=-1) - sorted_probs  # mass of the more likely tokens
+        cut |= before > self.column(top_p)  # the first token always stays
+        sorted_logits = sorted_logits.masked_fill(cut, float("-inf"))
+        return torch.empty_like(logits).scatter_(-1, order, sorted_logits)
+
+    def token_counts(self, token_lists: list[list[int]]) -> torch.Tensor:
+        """[N, V] float counts of each token id in each list."""
+        width = max((len(t) for t in token_lists), default=0)
+        padded = torch.full((len(token_lists), width), self.vocab_size, dtype=torch.long)
+        for i, tokens in enumerate(token_lists):
+            padded[i, : len(tokens)] = torch.tensor(tokens, dtype=torch.long)
+        counts = torch.zeros(len(token_lists), self.vocab_size + 1)
+        counts.scatter_add_(1, padded, torch.ones_like(padded, dtype=torch.float))
+        return counts[:, : self.vocab_size].to(self.device)
+
+    def column(self, values: list[float]) -> torch.Tensor:
+        return torch.tensor(values, dtype=torch.float32, device=self.device)[:, None]
+
+
+def gather_logprobs(
+    logprobs: torch.Tensor, token_ids: list[int], requests: Sequence[Request]
+) -> list[Logprobs | None]:
+    num_top = max(r.sampling.logprobs or 0 for r in requests)
+    top_values, top_ids = logprobs.topk(num_top, dim=-1) if num_top else (logprobs[:, :0],) * 2
+    chosen = logprobs.gather(1, torch.tensor(token_ids, device=logprobs.device)[:, None])
+    chosen_values, top_values_list, top_ids_list = (
+        chosen[:, 0].tolist(),
+        top_values.tolist(),
+        top_ids.tolist(),
+    )
+    result: list[Logprobs | None] = []
+    for i, r in enumerate(requests):
+        if r.sampling.logprobs is None:
+            result.append(None)
+            continue
+        n = r.sampling.logprobs
+        result.append(
+            Logprobs(
+                chosen=TokenLogprob(token_id=token_ids[i], logprob=chosen_values[i]),
+                top=tuple(
+                    TokenLogprob(token_id=t, logprob=v)
+                    for t, v in zip(top_ids_list[i][:n], top_values_list[i][:n], strict=True)
+                ),
+            )
+        )
+    return result
