@@ -1,8 +1,9 @@
 """Prompts (text, chat messages or token ids): tokenising and the checks of admission.
 
 A request that could never be served is refused here, before it can sit in the queue: an empty
-prompt, a token id outside the vocabulary, prompt + max_tokens beyond the context, or more KV
-blocks than the whole pool holds. A full backlog of queued prompt tokens refuses it as overload.
+prompt, a token id outside the vocabulary, or prompt + max_tokens beyond the context length
+(the model's, or what the whole KV pool holds if that is less). A full backlog of queued
+prompt tokens refuses it as overload.
 """
 
 from __future__ import annotations
@@ -13,7 +14,7 @@ from typing import TYPE_CHECKING, Any
 import attrs
 import trio
 
-from loom.block_manager import BlockManager, num_blocks_for
+from loom.block_manager import BlockManager
 from loom.errors import EngineOverloadedError, InvalidRequestError
 from loom.loader import LoadedModel
 from loom.model_runner import ModelRunner
@@ -37,8 +38,6 @@ class PromptChecker:
     tokenizer: Any  # None for models loaded without one: token-id prompts only
     vocab_size: int
     max_model_len: int
-    block_size: int
-    num_total_blocks: int
     eos_token_ids: tuple[int, ...]
     max_waiting_tokens: int
 
@@ -61,8 +60,6 @@ class PromptChecker:
             max_model_len=min(
                 runner.max_model_len, block_manager.num_total_blocks * block_manager.block_size
             ),
-            block_size=block_manager.block_size,
-            num_total_blocks=block_manager.num_total_blocks,
             eos_token_ids=eos_ids,
             max_waiting_tokens=max_waiting_tokens,
         )
@@ -139,11 +136,4 @@ class PromptChecker:
                 f"prompt ({num_prompt} tokens) + max_tokens ({max_tokens or 1}) exceeds the "
                 f"context length of {self.max_model_len} tokens"
             )
-        resolved = max_tokens or self.max_model_len - num_prompt
-        num_blocks = num_blocks_for(num_prompt + resolved, self.block_size)
-        if num_blocks > self.num_total_blocks:
-            raise InvalidRequestError(
-                f"prompt + max_tokens needs {num_blocks} KV blocks; the pool holds "
-                f"{self.num_total_blocks}"
-            )
-        return resolved
+        return max_tokens or self.max_model_len - num_prompt

@@ -39,7 +39,8 @@ class RequestStream:
         with self.lock:
             self.buffer.append(output)
             self.closed = output.finished
-            full = len(self.buffer) >= self.capacity
+            full = len(self.buffer) >= self.capacity and not self.closed
+            self.paused = self.paused or full
         self.wake()
         return full
 

@@ -6,10 +6,14 @@ Rules for every test: loopback only, port 0, a timeout on every I/O test, real c
 from __future__ import annotations
 
 from collections.abc import Callable
+from typing import Any
 
 import pytest
 import torch
+import trio
+import trio.testing
 from transformers import (
+    AutoTokenizer,
     LlamaConfig,
     LlamaForCausalLM,
     MistralConfig,
@@ -18,7 +22,13 @@ from transformers import (
     Qwen2ForCausalLM,
 )
 
-from loom.loader import LoadedModel, load_model
+from loom.loader import (
+    LoadedModel,
+    converted_gguf_folder,
+    default_model_path,
+    load_model,
+    model_cache_root,
+)
 
 TINY_SHAPE = {
     "vocab_size": 512,
@@ -42,14 +52,17 @@ FAMILIES: dict[str, tuple[type, type]] = {
 }
 
 
-def tiny_model(family: str, seed: int = 0) -> LoadedModel:
+def tiny_model(
+    family: str, seed: int = 0, *, vocab_size: int = 512, tokenizer: Any = None
+) -> LoadedModel:
+    """A random-weight model; with a tokenizer, give `vocab_size=len(tokenizer)`."""
     config_cls, model_cls = FAMILIES[family]
     torch.manual_seed(seed)
-    model = model_cls(config_cls(**TINY_SHAPE)).eval()
+    model = model_cls(config_cls(**{**TINY_SHAPE, "vocab_size": vocab_size})).eval()
     return LoadedModel(
         name=f"tiny-{family}",
         model=model,
-        tokenizer=None,
+        tokenizer=tokenizer,
         dtype=torch.float32,
         device=torch.device("cpu"),
     )
@@ -64,6 +77,23 @@ def tiny(request: pytest.FixtureRequest) -> LoadedModel:
 def smollm2() -> LoadedModel:
     """The real default model, converted once into the user's model cache."""
     return load_model(None, dtype=torch.float32, device=torch.device("cpu"))
+
+
+@pytest.fixture
+def idle_jump_clock(mock_clock: trio.testing.MockClock) -> trio.testing.MockClock:
+    """Virtual time that jumps to the next timer once every task has idled for 50 ms of real time.
+
+    Plain `autojump_clock` also jumps while a step runs in the worker thread (the trio tasks
+    all wait on it), which would fire deadlines and `fail_after` mid-step."""
+    mock_clock.autojump_threshold = 0.05
+    return mock_clock
+
+
+@pytest.fixture(scope="session")
+def smollm2_tokenizer() -> Any:
+    """SmolLM2's byte-level BPE tokenizer (from the converted default model in the cache)."""
+    folder = converted_gguf_folder(default_model_path(), model_cache_root())
+    return AutoTokenizer.from_pretrained(str(folder))
 
 
 @pytest.fixture
