@@ -454,3 +454,20 @@ async def test_engine_abort_storm_leaves_every_block_free(
                     nursery.start_soon(client, *case)
         await trio.sleep(0.01)
         assert_idle(engine)
+
+
+@pytest.mark.smollm2
+async def test_engine_on_smollm2_stops_at_a_stop_string_spanning_tokens(
+    smollm2: LoadedModel,
+) -> None:
+    question = [ChatMessage(role="user", content="What is the capital of France?")]
+    async with serving(smollm2, num_blocks=64) as engine:
+        with trio.fail_after(120):
+            plain = await collect(engine, question, SamplingParams(temperature=0, max_tokens=20))
+            assert "".join(o.text for o in plain) == "The capital of France is Paris."
+            assert plain[-1].finish_reason is FinishReason.STOP
+            sampling = SamplingParams(temperature=0, max_tokens=20, stop=("of Fr",))
+            stopped = await collect(engine, question, sampling)
+            assert "".join(o.text for o in stopped) == "The capital "
+            assert stopped[-1].finish_reason is FinishReason.STOP_SEQUENCE
+            assert_idle(engine)
