@@ -28,6 +28,16 @@ serve *args: setup
 test *args: setup
     {{python}} -m pytest "$@"
 
+# Regenerate the gRPC code in loom/v1/ from proto/ (committed; CI checks it is current)
+proto: setup
+    PATH="$PWD/.venv/bin:$PATH" {{python}} -m grpc_tools.protoc -Iproto --python_out=. \
+        --pyi_out=. --grpclib_python_out=. proto/loom/v1/loom.proto
+
+# Fail if the committed gRPC code differs from what `just proto` makes
+proto-check: proto
+    git diff --exit-code -- loom/v1
+    test -z "$(git status --porcelain -- loom/v1)"
+
 # Lint and check formatting
 lint: setup
     .venv/bin/ruff check .

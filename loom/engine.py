@@ -30,7 +30,7 @@ import trio
 from loom.block_manager import BlockManager
 from loom.detokenizer import IncrementalDetokenizer
 from loom.engine_config import EngineConfig
-from loom.engine_stats import EngineStats
+from loom.engine_stats import EngineStats, ModelInfo
 from loom.errors import EngineDeadError, EngineOverloadedError
 from loom.loader import LoadedModel
 from loom.model_runner import ModelRunner
@@ -140,8 +140,11 @@ class Engine:
                 f"the waiting queue is full: {num_queued} requests "
                 f"(max_waiting_requests={self.config.max_waiting_requests})"
             )
+        self.prompts.check_size(prompt, self.config.max_prompt_chars)
         stream = RequestStream(request_id, self.config.output_buffer_size)
-        stream.on_drained = partial(self.resume, request_id)
+        # Called by the consumer, which may be in another thread (the gRPC bridge).
+        token = trio.lowlevel.current_trio_token()
+        stream.on_drained = partial(token.run_sync_soon, partial(self.resume, request_id))
         self.admission_send.send_nowait(
             Submission(
                 request_id=request_id,
@@ -210,6 +213,18 @@ class Engine:
             num_prompt_tokens=self.num_prompt_tokens,
             num_generated_tokens=self.num_generated_tokens,
             finished={reason.value: n for reason, n in self.finished.items()},
+        )
+
+    def model_info(self) -> ModelInfo:
+        if self.stopped_reason == "the engine is not started":
+            raise EngineDeadError("the model is still loading")
+        return ModelInfo(
+            model=self.model_name,
+            max_model_len=self.prompts.max_model_len,
+            vocab_size=self.runner.vocab_size,
+            dtype=str(self.runner.kv_cache_shape.dtype).removeprefix("torch."),
+            device=str(self.runner.device),
+            block_size=self.config.block_size,
         )
 
     # The three tasks.

@@ -19,5 +19,6 @@ class EngineConfig:
     scheduler: SchedulerConfig = attrs.field(factory=SchedulerConfig)
     max_waiting_requests: int = attrs.field(default=256, validator=ge(1))
     max_waiting_tokens: int = attrs.field(default=1 << 20, validator=ge(1))  # queued prompt tokens
+    max_prompt_chars: int = attrs.field(default=1 << 20, validator=ge(1))  # text, checked at once
     output_buffer_size: int = attrs.field(default=64, validator=ge(1))  # outputs per request
     stall_timeout: float = attrs.field(default=30.0, validator=gt(0))  # seconds paused, then abort

@@ -17,3 +17,13 @@ class EngineStats:
     num_prompt_tokens: int  # admitted prompt tokens, all time
     num_generated_tokens: int  # sampled tokens, all time
     finished: dict[str, int]  # finished requests by finish reason
+
+
+@attrs.frozen(kw_only=True)
+class ModelInfo:
+    model: str
+    max_model_len: int
+    vocab_size: int
+    dtype: str
+    device: str
+    block_size: int

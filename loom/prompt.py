@@ -68,6 +68,23 @@ class PromptChecker:
     def invalid(message: str) -> InvalidRequestError:
         return InvalidRequestError(message)
 
+    def check_size(self, prompt: Prompt, max_prompt_chars: int) -> None:
+        """Refuse an oversized prompt at once, before the work of tokenising it."""
+        if isinstance(prompt, str):
+            num_chars = len(prompt)
+        else:
+            items = list(prompt)
+            num_chars = sum(len(m.content) for m in items if isinstance(m, ChatMessage))
+            if len(items) > self.max_model_len:
+                raise InvalidRequestError(
+                    f"token_ids has {len(items)} tokens; the context length is {self.max_model_len}"
+                )
+        if num_chars > max_prompt_chars:
+            raise InvalidRequestError(
+                f"prompt has {num_chars} characters; the limit is "
+                f"max_prompt_chars={max_prompt_chars}"
+            )
+
     async def admit(self, submission: Submission, waiting: Iterable[Request]) -> Request:
         token_ids = await self.tokenize(submission.prompt)
         max_tokens = self.check(token_ids, submission.sampling.max_tokens)

@@ -15,7 +15,7 @@ from collections.abc import AsyncGenerator, Callable
 
 import trio
 
-from loom.request_output import RequestOutput
+from loom.request_output import FinishReason, RequestOutput
 
 
 def nothing() -> None:
@@ -43,6 +43,12 @@ class RequestStream:
             self.paused = self.paused or full
         self.wake()
         return full
+
+    def final_reason(self) -> FinishReason | None:
+        """How the request ended, once the final output is pushed and not yet taken."""
+        with self.lock:
+            last = self.buffer[-1] if self.buffer else None
+        return last.finish_reason if last is not None else None
 
     def fail(self, error: BaseException) -> None:
         with self.lock:

@@ -1,0 +1,116 @@
+"""The grpclib server on its own asyncio loop in a worker thread, supervised by a trio task.
+
+trio owns the process; grpclib needs asyncio. `run` starts the thread, reports the bound port,
+and when cancelled asks the loop to close the server and return, then joins the thread: an
+exception in the asyncio thread comes back out of `run`. Health (grpc.health.v1) starts
+NOT_SERVING and follows `set_serving`; reflection lists every service.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+from collections.abc import Callable
+from typing import Any
+
+import trio
+from grpclib.health.check import ServiceStatus
+from grpclib.health.service import Health
+from grpclib.reflection.service import ServerReflection
+from grpclib.server import Server
+
+from loom.bridge import TrioBridge
+from loom.engine import Engine
+from loom.servicer import LoomServicer
+
+log = logging.getLogger(__name__)
+
+
+class GrpcServer:
+    def __init__(self, engine: Engine, *, host: str, port: int, send_timeout: float) -> None:
+        self.engine = engine
+        self.host = host
+        self.port = port
+        self.send_timeout = send_timeout
+        self.loop: asyncio.AbstractEventLoop | None = None
+        self.stop_event: asyncio.Event | None = None
+        self.stop_requested = False
+        self.servicer: LoomServicer | None = None
+        self.health = ServiceStatus()
+        self.server: Server | None = None
+
+    async def run(self, *, task_status: trio.TaskStatus[int] = trio.TASK_STATUS_IGNORED) -> None:
+        token = trio.lowlevel.current_trio_token()
+        bound = trio.Event()
+        ports: list[int] = []
+
+        def on_bound(port: int) -> None:
+            ports.append(port)
+            bound.set()
+
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(self.host_thread, token, on_bound)
+            nursery.start_soon(self.stop_when_cancelled)
+            await bound.wait()
+            task_status.started(ports[0])
+
+    async def host_thread(
+        self, token: trio.lowlevel.TrioToken, on_bound: Callable[[int], None]
+    ) -> None:
+        await trio.to_thread.run_sync(
+            asyncio.run, self.serve(token, on_bound), abandon_on_cancel=False
+        )
+
+    async def stop_when_cancelled(self) -> None:
+        try:
+            await trio.sleep_forever()
+        finally:
+            self.stop_requested = True
+            self.in_loop(lambda: self.stop_event.set() if self.stop_event else None)
+
+    async def serve(self, token: trio.lowlevel.TrioToken, on_bound: Callable[[int], None]) -> None:
+        """The asyncio thread's main: build the server in the loop that runs it."""
+        self.loop = asyncio.get_running_loop()
+        self.stop_event = asyncio.Event()
+        if self.stop_requested:
+            return
+        self.health.set(False)
+        self.servicer = LoomServicer(self.engine, TrioBridge(token, self.loop), self.send_timeout)
+        health = Health({self.servicer: [self.health]})
+        self.server = Server(ServerReflection.extend([self.servicer, health]))
+        await self.server.start(self.host, self.port)
+        listener = self.server._server  # grpclib exposes the port only through it
+        if not isinstance(listener, asyncio.Server) or not listener.sockets:
+            raise RuntimeError(f"the gRPC server did not bind {self.host}:{self.port}")
+        token.run_sync_soon(on_bound, listener.sockets[0].getsockname()[1])
+        try:
+            await self.stop_event.wait()
+        finally:
+            self.server.close()
+            await self.server.wait_closed()
+
+    def in_loop(self, fn: Callable[[], Any]) -> None:
+        """Run `fn` in the asyncio thread (a no-op once the loop has gone)."""
+        if self.loop is not None and not self.loop.is_closed():
+            with contextlib.suppress(RuntimeError):
+                self.loop.call_soon_threadsafe(fn)
+
+    def set_serving(self, serving: bool) -> None:
+        self.in_loop(lambda: self.health.set(serving))
+
+    def begin_drain(self) -> None:
+        """New calls get UNAVAILABLE, health says NOT_SERVING, and the port stops listening."""
+
+        def drain() -> None:
+            if self.servicer is not None:
+                self.servicer.draining = True
+            self.health.set(False)
+            if self.server is not None and self.server._server is not None:
+                self.server._server.close()  # stop accepting; open connections carry on
+
+        self.in_loop(drain)
+
+    @property
+    def num_in_flight(self) -> int:
+        return self.servicer.num_in_flight if self.servicer is not None else 0

@@ -1,0 +1,108 @@
+"""The serving process: the gRPC server, the engine and the signal watcher under one nursery.
+
+    trio.run ── root nursery ─┬─ GrpcServer.run   (asyncio thread: grpclib, health, reflection)
+                              ├─ run_engine       (Engine.run: admission, scheduling, stepping)
+                              └─ watch_signals    (SIGTERM/SIGINT → drain; a second → exit now)
+
+The port is bound first, with health NOT_SERVING while the model loads. Drain: new calls get
+UNAVAILABLE, health turns NOT_SERVING, the port stops listening, the engine finishes what it
+admitted (cut short after `drain_timeout`: the rest end UNAVAILABLE), the handlers flush their
+last messages, then everything closes and the process exits 0. An engine crash fails every live
+stream with UNAVAILABLE and the process exits non-zero.
+"""
+
+from __future__ import annotations
+
+import logging
+import signal
+
+import attrs
+import trio
+
+from loom.engine import Engine
+from loom.grpc_server import GrpcServer
+
+log = logging.getLogger(__name__)
+
+
+@attrs.frozen(kw_only=True)
+class ServerConfig:
+    host: str = "127.0.0.1"
+    port: int = 50051
+    drain_timeout: float = 30.0
+
+
+class LoomServer:
+    def __init__(self, engine: Engine, config: ServerConfig) -> None:
+        self.engine = engine
+        self.config = config
+        self.grpc = GrpcServer(
+            engine, host=config.host, port=config.port, send_timeout=engine.config.stall_timeout
+        )
+        self.engine_scope = trio.CancelScope()
+        self.engine_done = trio.Event()
+        self.draining = False
+        self.exit_code = 0
+
+    async def run(self, *, task_status: trio.TaskStatus[int] = trio.TASK_STATUS_IGNORED) -> None:
+        async with trio.open_nursery() as nursery:
+            port = await nursery.start(self.grpc.run)
+            log.info("listening on %s:%d; loading the model", self.config.host, port)
+            nursery.start_soon(self.watch_signals, nursery)
+            await nursery.start(self.run_engine)
+            log.info("serving on %s:%d", self.config.host, port)
+            task_status.started(port)
+            await self.engine_done.wait()
+            with trio.move_on_after(self.config.drain_timeout):
+                await self.streams_done()
+            nursery.cancel_scope.cancel()
+
+    async def run_engine(
+        self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED
+    ) -> None:
+        try:
+            with self.engine_scope:
+                async with trio.open_nursery() as nursery:
+                    await nursery.start(self.engine.run)
+                    self.grpc.set_serving(True)
+                    task_status.started()
+        except Exception:
+            self.grpc.set_serving(False)
+            # Let the handlers send UNAVAILABLE before the port closes.
+            with trio.CancelScope(shield=True), trio.move_on_after(5.0):
+                await self.streams_done()
+            raise
+        finally:
+            self.grpc.set_serving(False)
+            self.engine_done.set()
+
+    async def watch_signals(self, nursery: trio.Nursery) -> None:
+        with trio.open_signal_receiver(signal.SIGTERM, signal.SIGINT) as signals:
+            async for signum in signals:
+                if not self.draining:
+                    log.info(
+                        "%s: draining (at most %.0f s)",
+                        signal.Signals(signum).name,
+                        self.config.drain_timeout,
+                    )
+                    self.draining = True
+                    nursery.start_soon(self.drain)
+                else:
+                    log.warning("%s again: exiting now", signal.Signals(signum).name)
+                    self.exit_code = 1
+                    nursery.cancel_scope.cancel()
+                    return
+
+    async def drain(self) -> None:
+        self.grpc.begin_drain()
+        self.engine.drain()
+        with trio.move_on_after(self.config.drain_timeout):
+            await self.engine_done.wait()
+            return
+        log.warning("drain timeout: ending the requests still running")
+        self.engine_scope.cancel()
+
+    async def streams_done(self) -> None:
+        """Wait until no gRPC handler is left (they flush their final messages)."""
+        while self.grpc.num_in_flight:  # noqa: ASYNC110 (a counter in the other thread)
+            await trio.sleep(0.02)

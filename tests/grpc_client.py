@@ -1,0 +1,74 @@
+"""grpclib clients for the tests: each runs on its own asyncio loop in a worker thread.
+
+The server under test runs in the test's trio thread (pytest-trio), its grpclib half on its own
+asyncio thread, so a client in a third thread talks to it over real 127.0.0.1 sockets.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Awaitable, Callable
+from typing import Any, TypeVar
+
+import trio
+from grpclib.client import Channel
+from grpclib.config import Configuration
+from grpclib.health.v1.health_grpc import HealthStub
+from grpclib.health.v1.health_pb2 import HealthCheckRequest, HealthCheckResponse
+
+from loom.v1 import loom_pb2 as pb
+from loom.v1.loom_grpc import LoomStub
+
+T = TypeVar("T")
+HOST = "127.0.0.1"
+# The smallest HTTP/2 windows, so that a client that stops reading blocks the server quickly.
+SMALL_WINDOWS = Configuration(http2_connection_window_size=65535, http2_stream_window_size=65535)
+
+
+async def in_asyncio(fn: Callable[..., Awaitable[T]], *args: Any, **kwargs: Any) -> T:
+    """Run an asyncio client coroutine in a worker thread, from trio."""
+    return await trio.to_thread.run_sync(lambda: asyncio.run(fn(*args, **kwargs)))
+
+
+async def generate(
+    port: int, request: pb.GenerateRequest, grpc_timeout: float | None = None
+) -> list[pb.GenerateResponse]:
+    async with Channel(HOST, port) as channel:
+        return list(await LoomStub(channel).Generate(request, timeout=grpc_timeout))
+
+
+async def server_stats(port: int) -> pb.ServerStats:
+    async with Channel(HOST, port) as channel:
+        return await LoomStub(channel).GetServerStats(pb.GetServerStatsRequest())
+
+
+async def model_info(port: int) -> pb.ModelInfo:
+    async with Channel(HOST, port) as channel:
+        return await LoomStub(channel).GetModelInfo(pb.GetModelInfoRequest())
+
+
+async def health(port: int, service: str = "") -> int:
+    async with Channel(HOST, port) as channel:
+        response = await HealthStub(channel).Check(HealthCheckRequest(service=service), timeout=5)
+        return int(response.status)
+
+
+SERVING = int(HealthCheckResponse.SERVING)
+NOT_SERVING = int(HealthCheckResponse.NOT_SERVING)
+
+
+def token_ids(responses: list[pb.GenerateResponse]) -> list[int]:
+    ids: list[int] = []
+    for response in responses:
+        delta = response.delta if response.HasField("delta") else response.final.delta
+        ids.extend(delta.token_ids)
+    return ids
+
+
+def greedy(token_ids: list[int], max_tokens: int, **sampling: Any) -> pb.GenerateRequest:
+    return pb.GenerateRequest(
+        token_ids=pb.TokenIds(ids=token_ids),
+        sampling=pb.SamplingParams(
+            temperature=0, max_tokens=max_tokens, ignore_eos=True, **sampling
+        ),
+    )
