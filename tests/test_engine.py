@@ -285,7 +285,7 @@ async def test_engine_aborts_a_stalled_consumer_and_frees_its_blocks(
             stalled = engine.submit([3, 1, 4], SamplingParams(temperature=0, max_tokens=100))
             healthy = await collect(engine, [2, 7], SamplingParams(temperature=0, max_tokens=50))
             assert healthy[-1].finish_reason is FinishReason.LENGTH
-            await wait_until(lambda: not engine.requests)
+            await trio.sleep(6.0)  # virtual time: jumps past the stall timer once all is idle
             outputs = stalled.take()
             assert len(outputs) == 5
             assert outputs[-1].finish_reason is FinishReason.STALLED

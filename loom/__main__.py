@@ -1,0 +1,5 @@
+"""`python -m loom` is `loom`."""
+
+from loom.cli import main
+
+main()
