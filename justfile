@@ -24,6 +24,10 @@ setup:
 serve *args: setup
     .venv/bin/loom serve "$@"
 
+# Benchmark the standard workload (1, 8, 32, 64 concurrent) side by side with transformers
+bench *args: setup
+    .venv/bin/loom bench --concurrency 1,8,32,64 --baseline --json bench-results.json "$@"
+
 # Run the test suite (args go to pytest, e.g. `just test -m "not smollm2"`)
 test *args: setup
     {{python}} -m pytest "$@"

@@ -13,12 +13,15 @@ a first chunk of 3 tokens:
     B: num_computed 0, q_len 3, block_table [4]     ->  positions [0, 1, 2]
     flat tokens:    A5  B0  B1  B2
     slot_mapping:   [2*4+1, 4*4+0, 4*4+1, 4*4+2] = [9, 16, 17, 18]
-    A's key slots:  [28, 29, 30, 31, 8, 9]   (positions 0..5 through blocks 7, 2)
+    A's keys:       blocks [7, 2] gathered whole: slots 28..31, 8..11; positions 6, 7 masked
 
-Sequences are attended in groups padded to a common query length `Q` and key length `L`: one
+Keys are read a whole block at a time (a block is `block_size` contiguous rows of the pool, so
+one large copy per block rather than one small copy per token). Sequences are attended in
+groups padded to a common query length `Q` and block count `B` (`L = B * block_size` keys): one
 group for single-token (decode) sequences, one for the rest (prefill chunks), so that a long
-chunk does not pad every decode to its length. Key padding reads slot 0, which belongs to the
-null block, and is masked out; query padding repeats the sequence's last token and is dropped.
+chunk does not pad every decode to its length. Padding blocks are block 0, the null block; every
+key past a query's position is masked out. Query padding repeats the sequence's last token and
+is dropped.
 """
 
 from __future__ import annotations
@@ -35,8 +38,8 @@ class AttentionGroup:
     """Sequences attended together in one padded SDPA call."""
 
     query_index: torch.Tensor  # [S, Q] flat token index of each query (padding repeats one)
-    kv_index: torch.Tensor  # [S, L] pool slot of each key (padding: slot 0, the null block)
-    mask: torch.Tensor  # [S, 1, Q, L] True where the query may attend the key
+    block_index: torch.Tensor  # [S * B] block of each key block, row by row (padding: block 0)
+    mask: torch.Tensor  # [S, 1, Q, B * block_size] True where the query may attend the key
     valid: torch.Tensor  # [S, Q] True for real (unpadded) queries
     output_index: torch.Tensor  # [N] flat token index of each real query, in `valid` order
 
@@ -99,9 +102,8 @@ def build_group(
 ) -> AttentionGroup:
     computed = torch.tensor(num_computed, dtype=torch.long)
     q_lens = torch.tensor(query_lens, dtype=torch.long)
-    seq_lens = computed + q_lens
-    max_q, max_len = int(q_lens.max()), int(seq_lens.max())
-    max_blocks = -(-max_len // block_size)
+    max_q = int(q_lens.max())
+    max_blocks = -(-int((computed + q_lens).max()) // block_size)
     tables = torch.zeros(len(block_tables), max_blocks, dtype=torch.long)  # padded with block 0
     for s, table in enumerate(block_tables):
         used = table[:max_blocks]
@@ -109,18 +111,16 @@ def build_group(
 
     q_offset = torch.arange(max_q)
     valid = q_offset[None, :] < q_lens[:, None]  # [S, Q]
-    query_index = torch.tensor(starts)[:, None] + torch.minimum(q_offset, q_lens[:, None] - 1)
-
-    key_pos = torch.arange(max_len)
-    kv_index = tables[:, key_pos // block_size] * block_size + key_pos % block_size
-    kv_index = torch.where(key_pos[None, :] < seq_lens[:, None], kv_index, 0)
+    last_offset = torch.minimum(q_offset, q_lens[:, None] - 1)
+    query_index = torch.tensor(starts)[:, None] + last_offset
     # A query at absolute position p attends keys 0..p. Padded queries repeat the last real one,
     # so every row has at least one key and SDPA never sees a fully masked row.
-    query_pos = computed[:, None] + torch.minimum(q_offset, q_lens[:, None] - 1)  # [S, Q]
+    query_pos = computed[:, None] + last_offset  # [S, Q]
+    key_pos = torch.arange(max_blocks * block_size)
     mask = key_pos[None, None, :] <= query_pos[:, :, None]  # [S, Q, L]
     return AttentionGroup(
         query_index=query_index.to(device),
-        kv_index=kv_index.to(device),
+        block_index=tables.reshape(-1).to(device),
         mask=mask[:, None].to(device),
         valid=valid.to(device),
         output_index=query_index[valid].to(device),
@@ -148,15 +148,16 @@ def paged_attention(
     scale: float,
 ) -> torch.Tensor:
     """Causal attention of the flat queries [T, H_q, D] over the keys their block tables name."""
-    num_kv_heads, head_dim = k_cache.shape[2], k_cache.shape[3]
-    keys = k_cache.view(-1, num_kv_heads, head_dim)
-    values = v_cache.view(-1, num_kv_heads, head_dim)
+    kv_shape = k_cache.shape[2:]  # [H_kv, D]
     out = torch.empty_like(query)
     for group in metadata.groups:
+        num_seqs = group.query_index.shape[0]
+        keys = k_cache.index_select(0, group.block_index).view(num_seqs, -1, *kv_shape)
+        values = v_cache.index_select(0, group.block_index).view(num_seqs, -1, *kv_shape)
         o = F.scaled_dot_product_attention(
             query[group.query_index].transpose(1, 2),  # [S, H_q, Q, D]
-            keys[group.kv_index].transpose(1, 2),  # [S, H_kv, L, D]
-            values[group.kv_index].transpose(1, 2),
+            keys.transpose(1, 2),  # [S, H_kv, L, D]
+            values.transpose(1, 2),
             attn_mask=group.mask,
             scale=scale,
             enable_gqa=True,

@@ -12,6 +12,7 @@ from pathlib import Path
 
 import trio
 
+from loom import bench_command
 from loom.device import resolve_device, resolve_dtype
 from loom.engine import Engine
 from loom.engine_config import EngineConfig
@@ -141,6 +142,7 @@ def parser() -> argparse.ArgumentParser:
         choices=["debug", "info", "warning", "error"],
         help="(default: info)",
     )
+    bench_command.add_parser(commands)
     root.formatter_class = argparse.RawDescriptionHelpFormatter
     root.epilog = serve.format_help()  # so that `loom --help` lists every flag too
     return root
@@ -183,9 +185,10 @@ def serve(args: argparse.Namespace) -> int:
 def main(argv: Sequence[str] | None = None) -> None:
     args = parser().parse_args(argv)
     logging.basicConfig(
-        level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
+        level=getattr(args, "log_level", "warning").upper(),
+        format="%(asctime)s %(levelname)s %(name)s: %(message)s",
     )
     try:
-        sys.exit(serve(args))
+        sys.exit(serve(args) if args.command == "serve" else bench_command.run(args))
     except ValueError as exc:  # a bad setting: name it, no traceback
         sys.exit(f"loom: {exc}")

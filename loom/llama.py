@@ -18,16 +18,40 @@ from loom.attention import AttentionMetadata, paged_attention, write_kv
 from loom.kv_cache import KVCache, KVCacheShape
 
 
+class Linear:
+    """`x @ weight.T + bias`. On CPU the weight is prepacked for oneDNN, the path torch's own
+    compiler takes there: on this project's 2-core CPU machines it measured 1.5 to 3 times
+    faster than `F.linear` (MKL) at 1 to 64 rows. Elsewhere, or without oneDNN: F.linear."""
+
+    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None = None) -> None:
+        self.bias = bias
+        self.weight: torch.Tensor | None = weight
+        self.packed: torch.Tensor | None = None
+        onednn = torch.backends.mkldnn.is_available()  # type: ignore[no-untyped-call]
+        if weight.device.type == "cpu" and onednn:
+            try:
+                self.packed = torch.ops.mkldnn._reorder_linear_weight(weight, None)
+                self.weight = None
+            except RuntimeError:  # a dtype or build oneDNN does not take
+                self.packed = None
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        if self.weight is not None:
+            return F.linear(x, self.weight, self.bias)
+        out: torch.Tensor = torch.ops.mkldnn._linear_pointwise(
+            x, self.packed, self.bias, "none", [], ""
+        )
+        return out
+
+
 @attrs.frozen(kw_only=True)
 class LlamaLayer:
     input_norm: torch.Tensor
-    qkv_weight: torch.Tensor  # [(H_q + 2 H_kv) D, hidden]
-    qkv_bias: torch.Tensor | None  # Qwen2 has one
-    o_weight: torch.Tensor
-    o_bias: torch.Tensor | None  # Llama with attention_bias has one
+    qkv: Linear  # [(H_q + 2 H_kv) D, hidden], with Qwen2's bias
+    o: Linear  # with Llama's attention_bias
     post_norm: torch.Tensor
-    gate_up_weight: torch.Tensor  # [2 intermediate, hidden]
-    down_weight: torch.Tensor
+    gate_up: Linear  # [2 intermediate, hidden]
+    down: Linear
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
@@ -65,7 +89,7 @@ class LlamaModel:
         weights: dict[str, torch.Tensor] = dict(hf_model.state_dict())
         self.embed = weights["model.embed_tokens.weight"]
         self.final_norm = weights["model.norm.weight"]
-        self.lm_head = weights.get("lm_head.weight", self.embed)
+        self.lm_head = Linear(weights.get("lm_head.weight", self.embed))
         self.layers = [
             self.fuse_layer(weights, f"model.layers.{i}.") for i in range(config.num_hidden_layers)
         ]
@@ -78,15 +102,16 @@ class LlamaModel:
         ]
         return LlamaLayer(
             input_norm=weights[prefix + "input_layernorm.weight"],
-            qkv_weight=torch.cat([weights[f"{attn}{p}_proj.weight"] for p in "qkv"]),
-            qkv_bias=torch.cat(qkv_biases) if qkv_biases else None,
-            o_weight=weights[attn + "o_proj.weight"],
-            o_bias=weights.get(attn + "o_proj.bias"),
-            post_norm=weights[prefix + "post_attention_layernorm.weight"],
-            gate_up_weight=torch.cat(
-                [weights[mlp + "gate_proj.weight"], weights[mlp + "up_proj.weight"]]
+            qkv=Linear(
+                torch.cat([weights[f"{attn}{p}_proj.weight"] for p in "qkv"]),
+                torch.cat(qkv_biases) if qkv_biases else None,
             ),
-            down_weight=weights[mlp + "down_proj.weight"],
+            o=Linear(weights[attn + "o_proj.weight"], weights.get(attn + "o_proj.bias")),
+            post_norm=weights[prefix + "post_attention_layernorm.weight"],
+            gate_up=Linear(
+                torch.cat([weights[mlp + "gate_proj.weight"], weights[mlp + "up_proj.weight"]])
+            ),
+            down=Linear(weights[mlp + "down_proj.weight"]),
         )
 
     def kv_cache_shape(self, block_size: int) -> KVCacheShape:
@@ -122,7 +147,7 @@ class LlamaModel:
             )
             hidden = hidden + self.mlp(layer, rms_norm(hidden, layer.post_norm, self.eps))
         last = rms_norm(hidden[logits_index], self.final_norm, self.eps)
-        return F.linear(last, self.lm_head)
+        return self.lm_head(last)
 
     def attention(
         self,
@@ -136,7 +161,7 @@ class LlamaModel:
     ) -> torch.Tensor:
         num_tokens = x.shape[0]
         q_size, kv_size = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
-        qkv = F.linear(x, layer.qkv_weight, layer.qkv_bias)
+        qkv = layer.qkv(x)
         q, k, v = torch.split(qkv, [q_size, kv_size, kv_size], dim=-1)
         q = q.view(num_tokens, self.num_heads, self.head_dim)
         k = k.view(num_tokens, self.num_kv_heads, self.head_dim)
@@ -145,8 +170,8 @@ class LlamaModel:
         k = k * cos + rotate_half(k) * sin
         write_kv(k_cache, v_cache, k, v, metadata.slot_mapping)
         out = paged_attention(q, k_cache, v_cache, metadata, self.scale)
-        return F.linear(out.reshape(num_tokens, q_size), layer.o_weight, layer.o_bias)
+        return layer.o(out.reshape(num_tokens, q_size))
 
     def mlp(self, layer: LlamaLayer, x: torch.Tensor) -> torch.Tensor:
-        gate, up = F.linear(x, layer.gate_up_weight).chunk(2, dim=-1)
-        return F.linear(F.silu(gate) * up, layer.down_weight)
+        gate, up = layer.gate_up(x).chunk(2, dim=-1)
+        return layer.down(F.silu(gate) * up)

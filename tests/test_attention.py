@@ -7,6 +7,7 @@ import torch
 from loom.attention import build_attention_metadata
 
 CPU = torch.device("cpu")
+T, F = True, False
 
 
 def test_attention_metadata_matches_the_worked_example() -> None:
@@ -20,32 +21,34 @@ def test_attention_metadata_matches_the_worked_example() -> None:
     assert metadata.slot_mapping.tolist() == [9, 16, 17, 18]
     decode, prefill = metadata.groups
     assert decode.query_index.tolist() == [[0]]
-    assert decode.kv_index.tolist() == [[28, 29, 30, 31, 8, 9]]
-    assert decode.mask.all()
+    assert decode.block_index.tolist() == [7, 2]
+    assert decode.mask[0, 0].tolist() == [[T, T, T, T, T, T, F, F]]  # positions 0..5 of 8 slots
     assert prefill.query_index.tolist() == [[1, 2, 3]]
-    assert prefill.kv_index.tolist() == [[16, 17, 18]]
-    assert prefill.mask[0, 0].tolist() == [
-        [True, False, False],
-        [True, True, False],
-        [True, True, True],
-    ]
+    assert prefill.block_index.tolist() == [4]
+    assert prefill.mask[0, 0].tolist() == [[T, F, F, F], [T, T, F, F], [T, T, T, F]]
 
 
-def test_attention_metadata_pads_keys_with_the_null_block_and_repeats_padded_queries() -> None:
+def test_attention_metadata_pads_with_the_null_block_and_repeats_padded_queries() -> None:
     metadata = build_attention_metadata(
-        num_computed=[0, 2],
-        query_lens=[3, 2],
-        block_tables=[[3], [5]],
+        num_computed=[0, 2, 0],
+        query_lens=[3, 2, 6],
+        block_tables=[[3], [5], [6, 8]],
         block_size=4,
         device=CPU,
     )
     (prefill,) = metadata.groups
-    # Second sequence: keys 0..3 in block 5; the first has only 3 keys, the 4th is padding.
-    assert prefill.kv_index.tolist() == [[12, 13, 14, 0], [20, 21, 22, 23]]
-    # The second sequence's 2 queries are padded to 3 by repeating its last token (flat 4).
-    assert prefill.query_index.tolist() == [[0, 1, 2], [3, 4, 4]]
-    assert prefill.valid.tolist() == [[True, True, True], [True, True, False]]
-    assert prefill.output_index.tolist() == [0, 1, 2, 3, 4]
-    # Padded key position 3 of the first sequence is never attended by a real query.
-    assert not prefill.mask[0, 0, :, 3].any()
-    assert prefill.mask[1, 0, 1].tolist() == [True, True, True, True]
+    # Two blocks for the longest; the shorter ones are padded with block 0.
+    assert prefill.block_index.tolist() == [3, 0, 5, 0, 6, 8]
+    # Queries padded to 6 by repeating each sequence's last token.
+    assert prefill.query_index.tolist() == [
+        [0, 1, 2, 2, 2, 2],
+        [3, 4, 4, 4, 4, 4],
+        [5, 6, 7, 8, 9, 10],
+    ]
+    assert prefill.valid.tolist() == [[T, T, T, F, F, F], [T, T, F, F, F, F], [T] * 6]
+    assert prefill.output_index.tolist() == list(range(11))
+    # The second sequence's queries sit at positions 2 and 3: keys 0..2, then 0..3.
+    assert prefill.mask[1, 0, 0].tolist() == [T, T, T, F, F, F, F, F]
+    assert prefill.mask[1, 0, 1].tolist() == [T, T, T, T, F, F, F, F]
+    # No real query attends a padding block's slots.
+    assert not prefill.mask[0, 0][prefill.valid[0]][:, 4:].any()

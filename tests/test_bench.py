@@ -1,0 +1,80 @@
+"""`loom bench`: its figures on hand-made timings, and one real run against a launched server."""
+
+from __future__ import annotations
+
+import json
+import math
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from loom.bench import make_workload
+from loom.bench_metrics import Objectives, RequestTiming, percentile, summarize
+from tests.conftest import tiny_model
+
+
+def test_bench_percentile_interpolates_between_ranks() -> None:
+    values = [4.0, 1.0, 3.0, 2.0]
+    assert percentile(values, 50) == 2.5
+    assert percentile(values, 0) == 1.0
+    assert percentile(values, 100) == 4.0
+    assert math.isclose(percentile(values, 90), 3.7)
+    assert math.isnan(percentile([], 50))
+
+
+def test_bench_summary_figures_follow_their_definitions() -> None:
+    fast = RequestTiming(ok=True, num_prompt_tokens=4, token_times=(0.1, 0.2, 0.2, 0.5))
+    slow = RequestTiming(ok=True, num_prompt_tokens=4, token_times=(1.0, 2.0))
+    failed = RequestTiming(ok=False, num_prompt_tokens=4, token_times=(), error="boom")
+    summary = summarize([fast, slow, failed], duration=2.0, objectives=Objectives(ttft_ms=500))
+    assert (summary["completed"], summary["failed"], summary["output_tokens"]) == (2, 1, 6)
+    assert summary["output_throughput"] == 3.0
+    assert summary["request_throughput"] == 1.0
+    assert summary["goodput"] == 0.5  # only the fast request met TTFT <= 500 ms
+    ttft: Any = summary["ttft_ms"]
+    assert math.isclose(ttft["mean"], 550.0)
+    tpot: Any = summary["tpot_ms"]
+    assert math.isclose(tpot["p50"], (400 / 3 + 1000) / 2)  # (e2e - ttft) / (n - 1)
+    itl: Any = summary["itl_ms"]
+    assert math.isclose(itl["p50"], 200.0)  # gaps 0, 100, 300, 1000
+    assert summary["errors"] == ["boom"]
+
+
+def test_bench_workload_prompts_have_the_exact_length_and_differ(smollm2_tokenizer: Any) -> None:
+    workload = make_workload(smollm2_tokenizer, 8, 128, 16, seed=3)
+    assert {len(p) for p in workload.prompts} == {128}
+    assert len(set(workload.prompts)) == 8
+    assert make_workload(smollm2_tokenizer, 8, 128, 16, seed=3) == workload
+
+
+@pytest.fixture(scope="module")
+def tiny_folder(tmp_path_factory: pytest.TempPathFactory, smollm2_tokenizer: Any) -> Path:
+    folder = tmp_path_factory.mktemp("tiny-bench")
+    loaded = tiny_model("qwen2", vocab_size=len(smollm2_tokenizer), tokenizer=smollm2_tokenizer)
+    loaded.model.save_pretrained(folder)
+    smollm2_tokenizer.save_pretrained(folder)
+    return folder
+
+
+def test_bench_runs_against_a_launched_server_with_the_baseline(
+    tiny_folder: Path, tmp_path: Path
+) -> None:
+    out = tmp_path / "bench.json"
+    command = [sys.executable, "-m", "loom", "bench", "--model", str(tiny_folder)]
+    command += ["--concurrency", "1,3", "--num-prompts", "4", "--input-len", "16"]
+    command += ["--output-len", "8", "--baseline", "--goodput", "ttft=60000", "--json", str(out)]
+    result = subprocess.run(command, capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0, result.stderr[-2000:]
+    assert "output tok/s" in result.stdout
+    assert "ratio" in result.stdout
+    runs = json.loads(out.read_text())["runs"]
+    assert [r["concurrency"] for r in runs] == [1, 3]
+    for run in runs:
+        for side in ("loom", "baseline"):
+            assert run[side]["completed"] == 4
+            assert run[side]["output_tokens"] == 32
+            assert run[side]["goodput"] > 0
+        assert run["loom"]["server"]["num_total_blocks"] > 0
