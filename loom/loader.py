@@ -141,3 +141,7 @@ def file_digest(path: Path) -> str:
         while chunk := f.read(1 << 22):
             digest.update(chunk)
     return digest.hexdigest()[:16]
+
+
+if __name__ == "__main__":  # `python -m loom.loader`: convert the default model into the cache
+    print(converted_gguf_folder(default_model_path(), model_cache_root()))

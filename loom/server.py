@@ -5,12 +5,12 @@
                               └─ watch_signals    (SIGTERM/SIGINT → drain; a second → exit now)
 
 The port is bound first, with health NOT_SERVING while the model loads. Drain: new calls get
-UNAVAILABLE, health turns NOT_SERVING, the port stops listening, the engine finishes what it
-admitted (cut short after `drain_timeout`: the rest end UNAVAILABLE), the handlers flush their
-last messages, and the clients close their connections (a client that has not yet read what was
-sent to it loses it if the connection drops), all within `drain_timeout` of the signal; then
-everything closes and the process exits 0. An engine crash fails every live
-stream with UNAVAILABLE and the process exits non-zero.
+UNAVAILABLE and health turns NOT_SERVING (probes still get that answer), the engine finishes
+what it admitted (cut short after `drain_timeout`: the rest end UNAVAILABLE), the handlers
+flush their last messages, the port stops listening, and the clients close their connections
+(a client that has not yet read what was sent to it would lose it if the connection dropped),
+all within `drain_timeout` of the signal; then everything closes and the process exits 0. An
+engine crash fails every live stream with UNAVAILABLE and the process exits non-zero.
 """
 
 from __future__ import annotations
@@ -59,6 +59,7 @@ class LoomServer:
             with trio.move_on_at(self.drain_deadline or trio.current_time() + 5.0):
                 await self.streams_done()
                 if self.draining:
+                    self.grpc.stop_listening()
                     await self.connections_closed()
             nursery.cancel_scope.cancel()
 

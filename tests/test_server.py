@@ -10,8 +10,6 @@ import asyncio
 import subprocess
 import sys
 import threading
-from collections.abc import AsyncIterator
-from contextlib import asynccontextmanager
 from typing import Any
 
 import pytest
@@ -45,25 +43,13 @@ from tests.grpc_client import (
     server_stats,
     token_ids,
 )
+from tests.server_harness import loading, serving
 
 
 @pytest.fixture
 def tiny_chat(smollm2_tokenizer: Any) -> LoadedModel:
     """A tiny random Llama over SmolLM2's tokenizer: text and chat prompts work."""
     return tiny_model("llama", vocab_size=len(smollm2_tokenizer), tokenizer=smollm2_tokenizer)
-
-
-@asynccontextmanager
-async def serving(loaded: LoadedModel, **config: Any) -> AsyncIterator[tuple[LoomServer, int]]:
-    server = LoomServer(
-        Engine(EngineConfig(**config), lambda: loaded), ServerConfig(port=0, drain_timeout=5)
-    )
-    async with trio.open_nursery() as nursery:
-        port = await nursery.start(server.run)
-        try:
-            yield server, port
-        finally:
-            nursery.cancel_scope.cancel()
 
 
 async def wait_all_blocks_free(port: int) -> pb.ServerStats:
@@ -245,35 +231,16 @@ async def test_server_health_and_reflection_answer_a_grpclib_client(tiny_chat: L
 
 
 async def test_server_is_not_serving_while_the_model_loads(tiny_chat: LoadedModel) -> None:
-    loaded = threading.Event()
-
-    def slow_load() -> LoadedModel:
-        loaded.wait(30)
-        return tiny_chat
-
-    server = LoomServer(Engine(EngineConfig(), slow_load), ServerConfig(port=0))
     with trio.fail_after(30):
-        async with trio.open_nursery() as nursery:
-            nursery.start_soon(server.run)
-            port = await wait_for_port(server)
+        async with loading(tiny_chat) as (port, release):
             assert await in_asyncio(health, port) == NOT_SERVING
             with pytest.raises(GRPCError, match="the engine is not started") as info:
                 await in_asyncio(generate, port, greedy([1], 2))
             assert info.value.status is Status.UNAVAILABLE
-            loaded.set()
+            release.set()
             while await in_asyncio(health, port) != SERVING:  # noqa: ASYNC110
                 await trio.sleep(0.02)
             assert len(token_ids(await in_asyncio(generate, port, greedy([1], 2)))) == 2
-            nursery.cancel_scope.cancel()
-
-
-async def wait_for_port(server: LoomServer) -> int:
-    while True:
-        grpc = server.grpc.server
-        listener = grpc._server if grpc is not None else None
-        if isinstance(listener, asyncio.Server) and listener.sockets:
-            return int(listener.sockets[0].getsockname()[1])
-        await trio.sleep(0.01)
 
 
 async def test_server_frees_blocks_when_a_client_resets_or_closes_mid_stream(

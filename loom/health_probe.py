@@ -1,0 +1,53 @@
+"""`loom health`: ask a server's grpc.health.v1 whether it is SERVING, for docker and k8s probes.
+
+Exit status: 0 when SERVING; 1 when the server answers anything else (NOT_SERVING while the
+model loads or while draining, UNKNOWN, SERVICE_UNKNOWN); 2 when nothing answers in time
+(nothing listening, connection refused, timeout).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import sys
+from typing import Any
+
+from grpclib.client import Channel
+from grpclib.health.v1.health_grpc import HealthStub
+from grpclib.health.v1.health_pb2 import HealthCheckRequest, HealthCheckResponse
+
+
+def add_parser(commands: Any) -> argparse.ArgumentParser:
+    health: argparse.ArgumentParser = commands.add_parser(
+        "health",
+        help="exit 0 if a server's health is SERVING (for docker and Kubernetes probes)",
+        description=__doc__.splitlines()[0] if __doc__ else None,
+    )
+    health.add_argument(
+        "--address", default="127.0.0.1:50051", help="HOST:PORT (default: 127.0.0.1:50051)"
+    )
+    health.add_argument(
+        "--service", default="", help='the service to ask about (default: "", the server)'
+    )
+    health.add_argument(
+        "--timeout", type=float, default=5.0, help="seconds before giving up (default: 5)"
+    )
+    return health
+
+
+async def check(host: str, port: int, service: str) -> str:
+    async with Channel(host, port) as channel:
+        response = await HealthStub(channel).Check(HealthCheckRequest(service=service))
+        return HealthCheckResponse.ServingStatus.Name(response.status)
+
+
+def run(args: argparse.Namespace) -> int:
+    host, _, port = args.address.rpartition(":")
+    try:
+        probe = check(host or "127.0.0.1", int(port), args.service)
+        status = asyncio.run(asyncio.wait_for(probe, args.timeout))
+    except Exception as exc:  # refused, timed out, reset: nothing healthy answered
+        print(f"{args.address}: no answer ({type(exc).__name__}: {exc})", file=sys.stderr)
+        return 2
+    print(f"{args.address}: {status}")
+    return 0 if status == "SERVING" else 1

@@ -1,0 +1,148 @@
+"""The deployment files, checked statically (no docker engine on these machines).
+
+The compose file is validated against the Compose Specification's JSON schema (the copy in the
+`docker-compose` 1.29.2 wheel, installed without its dependencies), and every command line in
+the Dockerfile and the compose file must parse with Loom's real argument parser.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import re
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import jsonschema
+import pytest
+import yaml
+
+from loom.cli import parser
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def compose_schema() -> dict[str, Any]:
+    spec = importlib.util.find_spec("compose")
+    if spec is None or not spec.submodule_search_locations:
+        pytest.fail("the compose schema comes from: pip install --no-deps docker-compose==1.29.2")
+    folder = Path(next(iter(spec.submodule_search_locations)))
+    return dict(json.loads((folder / "config" / "compose_spec.json").read_text()))
+
+
+@pytest.fixture(scope="module")
+def compose() -> dict[str, Any]:
+    return dict(yaml.safe_load((ROOT / "docker-compose.yml").read_text()))
+
+
+@pytest.fixture(scope="module")
+def dockerfile() -> str:
+    return (ROOT / "Dockerfile").read_text()
+
+
+def validate(document: dict[str, Any]) -> None:
+    # The schema names draft 2019-09 by an old URL that jsonschema does not resolve.
+    jsonschema.Draft201909Validator(compose_schema()).validate(document)
+
+
+def test_deploy_compose_file_follows_the_compose_specification(compose: dict[str, Any]) -> None:
+    validate(compose)
+
+
+def test_deploy_compose_validation_fails_on_a_wrong_key(compose: dict[str, Any]) -> None:
+    broken = json.loads(json.dumps(compose))
+    broken["services"]["loom"]["helthcheck"] = broken["services"]["loom"].pop("healthcheck")
+    with pytest.raises(jsonschema.ValidationError, match="helthcheck"):
+        validate(broken)
+    broken = json.loads(json.dumps(compose))
+    broken["services"]["loom-gpu"]["deploy"]["resources"]["reservation"] = {}
+    with pytest.raises(jsonschema.ValidationError, match="reservation"):
+        validate(broken)
+
+
+def test_deploy_compose_services_probe_drain_and_reserve_the_gpu(compose: dict[str, Any]) -> None:
+    cpu, gpu = compose["services"]["loom"], compose["services"]["loom-gpu"]
+    for service in (cpu, gpu):
+        health = service["healthcheck"]
+        assert health["test"][:3] == ["CMD", "loom", "health"]
+        assert seconds(health["start_period"]) >= 60  # a model load fits
+        drain = float(service["command"][service["command"].index("--drain-timeout") + 1])
+        assert seconds(service["stop_grace_period"]) > drain
+        assert "model-cache:/var/cache/loom" in service["volumes"]
+    assert "profiles" not in cpu
+    assert gpu["profiles"] == ["gpu"]
+    (device,) = gpu["deploy"]["resources"]["reservations"]["devices"]
+    assert device["driver"] == "nvidia"
+    assert device["capabilities"] == ["gpu"]
+    assert "model-cache" in compose["volumes"]
+
+
+def seconds(duration: str) -> float:
+    match = re.fullmatch(r"(\d+(?:\.\d+)?)(ms|s|m)", duration)
+    assert match, duration
+    return float(match.group(1)) * {"ms": 0.001, "s": 1, "m": 60}[match.group(2)]
+
+
+def test_deploy_every_command_line_parses_with_loom_s_parser(
+    compose: dict[str, Any], dockerfile: str
+) -> None:
+    commands = [service["command"] for service in compose["services"].values()]
+    commands += [service["healthcheck"]["test"][2:] for service in compose["services"].values()]
+    commands.append(json.loads(instruction(dockerfile, "CMD")))
+    commands.append(json.loads(instruction(dockerfile, "HEALTHCHECK").split("CMD", 1)[1])[1:])
+    for command in commands:
+        args = parser().parse_args(command)  # SystemExit (a test error) on an unknown flag
+        if args.command == "serve":
+            assert args.host == "0.0.0.0"  # reachable from outside the container
+            assert args.port == 50051
+
+
+def instruction(dockerfile: str, name: str) -> str:
+    """The last instruction `name` of the final stage, continuation lines joined."""
+    joined = dockerfile.replace("\\\n", " ")
+    found = re.findall(rf"^{name}\s+(.*)$", joined, flags=re.MULTILINE)
+    assert found, name
+    return str(found[-1]).strip()
+
+
+def test_deploy_dockerfile_runs_loom_as_pid_1_as_a_fixed_non_root_user(dockerfile: str) -> None:
+    assert dockerfile.count("\nFROM ") + dockerfile.startswith("FROM ") >= 2  # multi-stage
+    assert json.loads(instruction(dockerfile, "ENTRYPOINT")) == ["loom"]  # exec form
+    assert instruction(dockerfile, "USER") == "${LOOM_UID}"
+    assert re.search(r"^ARG LOOM_UID=(\d+)$", dockerfile, re.MULTILINE).group(1) != "0"  # type: ignore[union-attr]
+    assert instruction(dockerfile, "EXPOSE") == "50051"
+    for variable in ("HOME=", "HF_HOME=", "XDG_CACHE_HOME=", "LOOM_CACHE_DIR="):
+        assert variable in dockerfile
+    assert "chmod -R a+rwX /var/cache/loom /home/loom" in dockerfile  # any UID can write
+
+
+def test_deploy_dockerfile_installs_dependencies_before_copying_the_source(dockerfile: str) -> None:
+    dependencies = dockerfile.index("pip install --no-cache-dir .")
+    source = dockerfile.index("COPY loom ./loom")
+    assert dockerfile.index("COPY pyproject.toml") < dependencies < source
+
+
+def test_deploy_dockerignore_sends_only_the_build_inputs() -> None:
+    lines = (ROOT / ".dockerignore").read_text().splitlines()
+    assert "*" in lines
+    assert {"!pyproject.toml", "!README.md", "!loom/"} <= set(lines)
+
+
+def test_deploy_dockerfile_is_clean_for_hadolint() -> None:
+    hadolint = Path(sys.executable).parent / "hadolint"
+    result = subprocess.run(
+        [str(hadolint), str(ROOT / "Dockerfile")], capture_output=True, text=True
+    )
+    assert result.returncode == 0, result.stdout + result.stderr
+
+
+@pytest.mark.smollm2
+def test_deploy_the_image_s_model_warm_up_command_works() -> None:
+    """`python -m loom.loader`, run by the Dockerfile, converts (or finds) the default model."""
+    result = subprocess.run(
+        [sys.executable, "-m", "loom.loader"], capture_output=True, text=True, timeout=300
+    )
+    assert result.returncode == 0, result.stderr[-2000:]
+    assert (Path(result.stdout.strip()) / "model.safetensors").is_file()
