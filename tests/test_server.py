@@ -420,3 +420,22 @@ async def test_server_engine_crash_fails_live_streams_with_unavailable(
     (error,) = errors
     assert error.status is Status.UNAVAILABLE
     assert "injected fault" in (error.message or "")
+
+
+async def test_server_refuses_a_duplicate_request_id_without_touching_the_live_one(
+    tiny_chat: LoadedModel,
+) -> None:
+    expected = reference_tokens(tiny_chat.model, [4, 4], 30)
+    async with serving(tiny_chat, output_buffer_size=2) as (server, port):
+        with trio.fail_after(60):
+            # Live and paused: nobody reads it yet.
+            sampling = SamplingParams(temperature=0, max_tokens=30, ignore_eos=True)
+            live = server.engine.submit([4, 4], sampling, request_id="same")
+            duplicate = greedy([5], 5)
+            duplicate.request_id = "same"
+            with pytest.raises(GRPCError, match="request_id 'same' is already in use") as info:
+                await in_asyncio(generate, port, duplicate)
+            assert info.value.status is Status.INVALID_ARGUMENT
+            outputs = [o async for o in live.outputs()]
+            assert [t for o in outputs for t in o.token_ids] == expected
+            assert str(outputs[-1].finish_reason) == "length"
