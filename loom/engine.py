@@ -19,24 +19,22 @@ crash) every live request is finished with an error and its blocks freed.
 from __future__ import annotations
 
 import uuid
-from collections import Counter
 from collections.abc import AsyncIterator, Callable
 from contextlib import aclosing, asynccontextmanager
 from functools import partial
 
-import attrs
 import trio
 
 from loom.block_manager import BlockManager
-from loom.detokenizer import IncrementalDetokenizer
 from loom.engine_config import EngineConfig
 from loom.engine_stats import EngineStats, ModelInfo
 from loom.errors import EngineDeadError, EngineOverloadedError
 from loom.loader import LoadedModel
 from loom.model_runner import ModelRunner
-from loom.prompt import ChatMessage, Prompt, PromptChecker
+from loom.output_processor import OutputProcessor
+from loom.prompt import ChatMessage, Prompt, PromptChecker, Submission
 from loom.request import Request, RequestStatus
-from loom.request_output import FinishReason, Logprobs, RequestOutput, Timings, Usage
+from loom.request_output import Logprobs, RequestOutput
 from loom.request_stream import RequestStream
 from loom.sampler import Sampler, SamplerOutput
 from loom.sampling_params import SamplingParams
@@ -45,23 +43,12 @@ from loom.scheduler import Scheduler, SchedulerOutput
 __all__ = ["ChatMessage", "Engine"]
 
 
-@attrs.frozen(kw_only=True)
-class Submission:
-    request_id: str
-    prompt: Prompt
-    sampling: SamplingParams
-    arrival_time: float
-    deadline: float | None
-    stream: RequestStream
-
-
 class Engine:
     def __init__(self, config: EngineConfig, load: Callable[[], LoadedModel]) -> None:
         self.config = config
         self.load = load
         self.streams: dict[str, RequestStream] = {}  # live requests, admitted or not
         self.requests: dict[str, Request] = {}  # live admitted requests
-        self.detokenizers: dict[str, IncrementalDetokenizer] = {}
         self.num_admitting = 0
         self.stopped_reason: str | None = "the engine is not started"
         self.admission_send, self.admission_recv = trio.open_memory_channel[Submission](
@@ -70,9 +57,6 @@ class Engine:
         self.admission_done = False
         self.wakeup = trio.Event()
         self.limiter = trio.CapacityLimiter(1)
-        self.finished = Counter[FinishReason]()
-        self.num_prompt_tokens = 0
-        self.num_generated_tokens = 0
 
     async def run(self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
         """Load the model, allocate the KV pool, then serve until drained, cancelled or crashed."""
@@ -86,6 +70,7 @@ class Engine:
         self.prompts = PromptChecker.for_model(
             loaded, self.runner, self.scheduler.block_manager, self.config.max_waiting_tokens
         )
+        self.outputs = OutputProcessor(loaded.tokenizer)
         self.model_name = loaded.name
         self.stopped_reason = None
         task_status.started()
@@ -210,9 +195,9 @@ class Engine:
             num_free_blocks=scheduler.block_manager.num_free_blocks,
             num_preemptions=scheduler.num_preemptions,
             num_chunked_prefills=scheduler.num_chunked_prefills,
-            num_prompt_tokens=self.num_prompt_tokens,
-            num_generated_tokens=self.num_generated_tokens,
-            finished={reason.value: n for reason, n in self.finished.items()},
+            num_prompt_tokens=self.outputs.num_prompt_tokens,
+            num_generated_tokens=self.outputs.num_generated_tokens,
+            finished={reason.value: n for reason, n in self.outputs.finished.items()},
         )
 
     def model_info(self) -> ModelInfo:
@@ -243,11 +228,7 @@ class Engine:
                 if submission.request_id not in self.streams:
                     continue  # aborted while it was being admitted
                 self.requests[request.request_id] = request
-                if self.prompts.tokenizer is not None:
-                    self.detokenizers[request.request_id] = IncrementalDetokenizer(
-                        self.prompts.tokenizer, request.prompt_token_ids, request.sampling.stop
-                    )
-                self.num_prompt_tokens += request.num_prompt_tokens
+                self.outputs.add_request(request)
                 self.scheduler.add_request(request)
                 self.wakeup.set()
         self.admission_done = True
@@ -298,25 +279,7 @@ class Engine:
             self.emit(output.requests[output.sample_index[j]], sampled.logprobs[j], now)
 
     def emit(self, request: Request, logprobs: Logprobs | None, now: float) -> None:
-        if request.first_token_time is None:
-            request.first_token_time = now
-        self.num_generated_tokens += 1
-        token = request.output_token_ids[-1]
-        status = request.stop_status()
-        text = ""
-        detokenizer = self.detokenizers.get(request.request_id)
-        if detokenizer is not None:
-            text, hit_stop = detokenizer.add(token)
-            if hit_stop:
-                status = RequestStatus.FINISHED_STOP_SEQUENCE
-            elif status is not None:
-                text += detokenizer.flush()
-        delta = RequestOutput(
-            request_id=request.request_id,
-            token_ids=(token,),
-            text=text,
-            logprobs=() if logprobs is None else (logprobs,),
-        )
+        delta, status = self.outputs.new_token(request, logprobs, now)
         if status is not None:
             self.finish(request, status, delta=delta)
         elif self.streams[request.request_id].push(delta):
@@ -341,24 +304,9 @@ class Engine:
     ) -> None:
         if not self.scheduler.finish(request, status, error):
             return
-        stream = self.streams.pop(request.request_id)
         del self.requests[request.request_id]
-        self.detokenizers.pop(request.request_id, None)
-        reason = status.finish_reason
-        self.finished[reason] += 1  # type: ignore[index]
-        now = trio.current_time()
-        stream.push(
-            attrs.evolve(
-                delta or RequestOutput(request_id=request.request_id),
-                finish_reason=reason,
-                error=error,
-                usage=Usage(
-                    prompt_tokens=request.num_prompt_tokens,
-                    completion_tokens=len(request.output_token_ids),
-                ),
-                timings=timings(request, now),
-            )
-        )
+        final = self.outputs.final(request, trio.current_time(), delta)
+        self.streams.pop(request.request_id).push(final)
 
     def stop(self, reason: str) -> None:
         """End every live request with an error; take no new ones."""
@@ -366,17 +314,7 @@ class Engine:
         self.admission_send.close()
         for request in list(self.requests.values()):
             self.finish(request, RequestStatus.FINISHED_ERROR, error=reason)
-        for stream in self.streams.values():
+        for stream in self.streams.values():  # still in the admission channel: never admitted
             stream.fail(EngineDeadError(reason))
         self.streams.clear()
-
-
-def timings(request: Request, now: float) -> Timings:
-    def since_arrival(t: float | None) -> float | None:
-        return None if t is None else (t - request.arrival_time) * 1000
-
-    return Timings(
-        queue_ms=since_arrival(request.first_scheduled_time or now) or 0.0,
-        ttft_ms=since_arrival(request.first_token_time),
-        e2e_ms=(now - request.arrival_time) * 1000,
-    )
+        self.num_admitting = 0

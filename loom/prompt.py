@@ -9,7 +9,7 @@ prompt tokens refuses it as overload.
 from __future__ import annotations
 
 from collections.abc import Iterable, Sequence
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import attrs
 import trio
@@ -19,9 +19,8 @@ from loom.errors import EngineOverloadedError, InvalidRequestError
 from loom.loader import LoadedModel
 from loom.model_runner import ModelRunner
 from loom.request import Request
-
-if TYPE_CHECKING:
-    from loom.engine import Submission
+from loom.request_stream import RequestStream
+from loom.sampling_params import SamplingParams
 
 
 @attrs.frozen(kw_only=True)
@@ -31,6 +30,18 @@ class ChatMessage:
 
 
 Prompt = str | Sequence[int] | Sequence[ChatMessage]
+
+
+@attrs.frozen(kw_only=True)
+class Submission:
+    """A request as submitted, on its way to the admission task."""
+
+    request_id: str
+    prompt: Prompt
+    sampling: SamplingParams
+    arrival_time: float
+    deadline: float | None
+    stream: RequestStream
 
 
 @attrs.frozen(kw_only=True)

@@ -340,13 +340,32 @@ async def test_engine_shutdown_ends_every_live_request_with_an_error() -> None:
             await nursery.start(engine.run)
             for i in range(4):
                 consumers.start_soon(consume, [i + 1] * 3)
-            await trio.sleep(0.1)
+            await wait_until(lambda: len(engine.requests) == 4)  # admitted, in the scheduler
             nursery.cancel_scope.cancel()
     assert [o.finish_reason for o in finals] == [FinishReason.ERROR] * 4
     assert {o.error for o in finals} == {"the engine stopped"}
     assert_idle(engine)
     with pytest.raises(EngineDeadError, match="the engine stopped"):
         engine.submit([1], GREEDY)
+
+
+async def test_engine_shutdown_ends_requests_submitted_a_moment_before() -> None:
+    """Admitted or still in the admission channel, a request's consumer gets an error: a final
+    ERROR output, or EngineDeadError from the stream. Never silence."""
+    engine = Engine(EngineConfig(), lambda: tiny_model("llama"))
+    with trio.fail_after(30):
+        async with trio.open_nursery() as nursery:
+            await nursery.start(engine.run)
+            streams = [engine.submit([1, 2, i], GREEDY) for i in range(3)]
+            nursery.cancel_scope.cancel()
+    for stream in streams:
+        if stream.error is not None:
+            with pytest.raises(EngineDeadError, match="the engine stopped"):
+                stream.take()
+        else:
+            (final,) = stream.take()
+            assert final.finish_reason is FinishReason.ERROR
+    assert_idle(engine)
 
 
 async def test_engine_drain_finishes_admitted_requests_then_returns() -> None:
