@@ -81,11 +81,13 @@ def smollm2() -> LoadedModel:
 
 @pytest.fixture
 def idle_jump_clock(mock_clock: trio.testing.MockClock) -> trio.testing.MockClock:
-    """Virtual time that jumps to the next timer once every task has idled for 50 ms of real time.
+    """Virtual time that jumps to the next timer once every task has idled for 0.5 s of real time.
 
     Plain `autojump_clock` also jumps while a step runs in the worker thread (the trio tasks
-    all wait on it), which would fire deadlines and `fail_after` mid-step."""
-    mock_clock.autojump_threshold = 0.05
+    all wait on it), which would fire deadlines and `fail_after` mid-step. Tiny-model steps
+    take milliseconds, so half a second of idleness means there is truly nothing to do; a
+    shorter threshold let a slow step on a loaded machine jump to `fail_after`."""
+    mock_clock.autojump_threshold = 0.5
     return mock_clock
 
 
