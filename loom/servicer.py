@@ -176,16 +176,7 @@ class LoomServicer(LoomBase):
         await stream.recv_message()
         with status_errors():
             info = await self.bridge.call(self.engine.model_info)
-        await stream.send_message(
-            pb.ModelInfo(
-                model=info.model,
-                max_model_len=info.max_model_len,
-                vocab_size=info.vocab_size,
-                dtype=info.dtype,
-                device=info.device,
-                block_size=info.block_size,
-            )
-        )
+        await stream.send_message(wire.model_info_message(info))
 
     async def GetServerStats(
         self, stream: Stream[pb.GetServerStatsRequest, pb.ServerStats]

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from loom.engine_stats import EngineStats
+from loom.engine_stats import EngineStats, ModelInfo
 from loom.errors import InvalidRequestError
 from loom.prompt import ChatMessage, Prompt
 from loom.request_output import FinishReason, Logprobs, RequestOutput
@@ -103,4 +103,15 @@ def stats_message(stats: EngineStats) -> pb.ServerStats:
         num_prompt_tokens=stats.num_prompt_tokens,
         num_generated_tokens=stats.num_generated_tokens,
         finished=stats.finished,
+    )
+
+
+def model_info_message(info: ModelInfo) -> pb.ModelInfo:
+    return pb.ModelInfo(
+        model=info.model,
+        max_model_len=info.max_model_len,
+        vocab_size=info.vocab_size,
+        dtype=info.dtype,
+        device=info.device,
+        block_size=info.block_size,
     )

@@ -6,6 +6,7 @@ Rules for every test: loopback only, port 0, a timeout on every I/O test, real c
 from __future__ import annotations
 
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -96,6 +97,16 @@ def smollm2_tokenizer() -> Any:
     """SmolLM2's byte-level BPE tokenizer (from the converted default model in the cache)."""
     folder = converted_gguf_folder(default_model_path(), model_cache_root())
     return AutoTokenizer.from_pretrained(str(folder))
+
+
+@pytest.fixture(scope="session")
+def tiny_folder(tmp_path_factory: pytest.TempPathFactory, smollm2_tokenizer: Any) -> Path:
+    """A tiny random Llama saved with SmolLM2's tokenizer: a model folder for `loom` processes."""
+    folder = tmp_path_factory.mktemp("tiny-llama")
+    loaded = tiny_model("llama", vocab_size=len(smollm2_tokenizer), tokenizer=smollm2_tokenizer)
+    loaded.model.save_pretrained(folder)
+    smollm2_tokenizer.save_pretrained(folder)
+    return folder
 
 
 @pytest.fixture

@@ -9,11 +9,8 @@ import sys
 from pathlib import Path
 from typing import Any
 
-import pytest
-
 from loom.bench import make_workload
 from loom.bench_metrics import Objectives, RequestTiming, percentile, summarize
-from tests.conftest import tiny_model
 
 
 def test_bench_percentile_interpolates_between_ranks() -> None:
@@ -48,15 +45,6 @@ def test_bench_workload_prompts_have_the_exact_length_and_differ(smollm2_tokeniz
     assert {len(p) for p in workload.prompts} == {128}
     assert len(set(workload.prompts)) == 8
     assert make_workload(smollm2_tokenizer, 8, 128, 16, seed=3) == workload
-
-
-@pytest.fixture(scope="module")
-def tiny_folder(tmp_path_factory: pytest.TempPathFactory, smollm2_tokenizer: Any) -> Path:
-    folder = tmp_path_factory.mktemp("tiny-bench")
-    loaded = tiny_model("qwen2", vocab_size=len(smollm2_tokenizer), tokenizer=smollm2_tokenizer)
-    loaded.model.save_pretrained(folder)
-    smollm2_tokenizer.save_pretrained(folder)
-    return folder
 
 
 def test_bench_runs_against_a_launched_server_with_the_baseline(

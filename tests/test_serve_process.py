@@ -15,7 +15,6 @@ import sys
 import threading
 from collections.abc import Iterator
 from pathlib import Path
-from typing import Any
 
 import pytest
 from grpclib import GRPCError, Status
@@ -26,19 +25,9 @@ from grpclib.health.v1.health_pb2 import HealthCheckRequest
 
 from loom.v1 import loom_pb2 as pb
 from loom.v1.loom_grpc import LoomStub
-from tests.conftest import tiny_model
 from tests.grpc_client import HOST, NOT_SERVING, SMALL_WINDOWS, greedy, token_ids
 
 LOOM = [sys.executable, "-m", "loom"]
-
-
-@pytest.fixture(scope="module")
-def tiny_folder(tmp_path_factory: pytest.TempPathFactory, smollm2_tokenizer: Any) -> Path:
-    folder = tmp_path_factory.mktemp("tiny-llama")
-    loaded = tiny_model("llama", vocab_size=len(smollm2_tokenizer), tokenizer=smollm2_tokenizer)
-    loaded.model.save_pretrained(folder)
-    smollm2_tokenizer.save_pretrained(folder)
-    return folder
 
 
 @pytest.fixture

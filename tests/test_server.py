@@ -339,7 +339,6 @@ async def test_server_aborts_a_client_that_stops_reading_while_others_keep_going
                 await wait_paused(port)
                 healthy = token_ids(await in_asyncio(generate, port, greedy([8, 8], 30)))
                 assert healthy == expected
-                assert (await in_asyncio(server_stats, port)).num_paused == 1  # still stalled
                 stats = await wait_all_blocks_free(port)
                 assert dict(stats.finished) == {"length": 1, "stalled": 1}
                 stop.set()
