@@ -39,7 +39,7 @@ class AttentionGroup:
 
     query_index: torch.Tensor  # [S, Q] flat token index of each query (padding repeats one)
     block_index: torch.Tensor  # [S * B] block of each key block, row by row (padding: block 0)
-    mask: torch.Tensor  # [S, 1, Q, B * block_size] True where the query may attend the key
+    mask: torch.Tensor  # [S, 1, G * Q, B * block_size]: may folded query row g * Q + i attend?
     valid: torch.Tensor  # [S, Q] True for real (unpadded) queries
     output_index: torch.Tensor  # [N] flat token index of each real query, in `valid` order
 
@@ -59,7 +59,9 @@ def build_attention_metadata(
     block_tables: Sequence[Sequence[int]],
     block_size: int,
     device: torch.device,
+    num_queries_per_kv: int = 1,
 ) -> AttentionMetadata:
+    """`num_queries_per_kv` (G): query heads per KV head, folded into the query axis."""
     starts = [0]
     for q_len in query_lens:
         starts.append(starts[-1] + q_len)
@@ -79,6 +81,7 @@ def build_attention_metadata(
             [starts[s] for s in members],
             block_size,
             device,
+            num_queries_per_kv,
         )
         for members in (decode, prefill)
         if members
@@ -99,6 +102,7 @@ def build_group(
     starts: list[int],
     block_size: int,
     device: torch.device,
+    num_queries_per_kv: int,
 ) -> AttentionGroup:
     computed = torch.tensor(num_computed, dtype=torch.long)
     q_lens = torch.tensor(query_lens, dtype=torch.long)
@@ -118,6 +122,8 @@ def build_group(
     query_pos = computed[:, None] + last_offset  # [S, Q]
     key_pos = torch.arange(max_blocks * block_size)
     mask = key_pos[None, None, :] <= query_pos[:, :, None]  # [S, Q, L]
+    if max_q > 1:  # one row per folded query; a decode's single row broadcasts over G
+        mask = mask.repeat(1, num_queries_per_kv, 1)
     return AttentionGroup(
         query_index=query_index.to(device),
         block_index=tables.reshape(-1).to(device),
@@ -162,10 +168,8 @@ def paged_attention(
         values = values.view(num_seqs, -1, num_kv_heads, head_dim)
         q = query[group.query_index].view(num_seqs, num_queries, num_kv_heads, group_size, head_dim)
         q = q.permute(0, 2, 3, 1, 4).reshape(num_seqs, num_kv_heads, group_size * num_queries, -1)
-        # Row g * Q + i of the folded queries is query i: its mask row, repeated per group.
-        mask = group.mask if num_queries == 1 else group.mask.repeat(1, 1, group_size, 1)
         o = F.scaled_dot_product_attention(
-            q, keys.transpose(1, 2), values.transpose(1, 2), attn_mask=mask, scale=scale
+            q, keys.transpose(1, 2), values.transpose(1, 2), attn_mask=group.mask, scale=scale
         )  # [S, H_kv, G * Q, D]
         o = o.view(num_seqs, num_kv_heads, group_size, num_queries, head_dim).permute(0, 3, 1, 2, 4)
         out[group.output_index] = o.reshape(num_seqs, num_queries, -1, head_dim)[group.valid]

@@ -48,10 +48,6 @@ class BlockManager:
     def num_free_blocks(self) -> int:
         return len(self._free)
 
-    @property
-    def num_used_blocks(self) -> int:
-        return self.num_total_blocks - self.num_free_blocks
-
     def has_request(self, request_id: str) -> bool:
         return request_id in self._tables
 

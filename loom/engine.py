@@ -28,19 +28,17 @@ import trio
 from loom.block_manager import BlockManager
 from loom.engine_config import EngineConfig
 from loom.engine_stats import EngineStats, ModelInfo
-from loom.errors import EngineDeadError, EngineOverloadedError
+from loom.errors import EngineDeadError, EngineOverloadedError, InvalidRequestError
 from loom.loader import LoadedModel
 from loom.model_runner import ModelRunner
 from loom.output_processor import OutputProcessor
-from loom.prompt import ChatMessage, Prompt, PromptChecker, Submission
+from loom.prompt import Prompt, PromptChecker, Submission
 from loom.request import Request, RequestStatus
 from loom.request_output import Logprobs, RequestOutput
 from loom.request_stream import RequestStream
 from loom.sampler import Sampler, SamplerOutput
 from loom.sampling_params import SamplingParams
 from loom.scheduler import Scheduler, SchedulerOutput
-
-__all__ = ["ChatMessage", "Engine"]
 
 
 class Engine:
@@ -118,7 +116,7 @@ class Engine:
             raise EngineDeadError(self.stopped_reason)
         request_id = request_id or uuid.uuid4().hex
         if request_id in self.streams:
-            raise self.prompts.invalid(f"request_id {request_id!r} is already in use")
+            raise InvalidRequestError(f"request_id {request_id!r} is already in use")
         num_queued = len(self.scheduler.waiting) + self.num_admitting
         if num_queued >= self.config.max_waiting_requests:
             raise EngineOverloadedError(

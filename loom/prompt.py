@@ -75,10 +75,6 @@ class PromptChecker:
             max_waiting_tokens=max_waiting_tokens,
         )
 
-    @staticmethod
-    def invalid(message: str) -> InvalidRequestError:
-        return InvalidRequestError(message)
-
     def check_size(self, prompt: Prompt, max_prompt_chars: int) -> None:
         """Refuse an oversized prompt at once, before the work of tokenising it."""
         if isinstance(prompt, str):

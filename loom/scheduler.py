@@ -40,10 +40,6 @@ class SchedulerOutput:
     requests: tuple[Request, ...]  # aligned with `sequences`
     sample_index: tuple[int, ...]  # sequences that catch up and so sample a token
 
-    @property
-    def num_batched_tokens(self) -> int:
-        return sum(len(s.token_ids) for s in self.sequences)
-
 
 @attrs.define
 class Scheduler:

@@ -1,8 +1,13 @@
-"""Conversions between the loom.v1 protobuf messages and the engine's types."""
+"""Conversions between the loom.v1 protobuf messages and the engine's types.
+
+EngineStats and ModelInfo name their fields as ServerStats and ModelInfo do, so they convert
+by name."""
 
 from __future__ import annotations
 
 from collections.abc import Sequence
+
+import attrs
 
 from loom.engine_stats import EngineStats, ModelInfo
 from loom.errors import InvalidRequestError
@@ -92,26 +97,8 @@ def final_from(outputs: Sequence[RequestOutput]) -> pb.Final:
 
 
 def stats_message(stats: EngineStats) -> pb.ServerStats:
-    return pb.ServerStats(
-        num_running=stats.num_running,
-        num_waiting=stats.num_waiting,
-        num_paused=stats.num_paused,
-        num_total_blocks=stats.num_total_blocks,
-        num_free_blocks=stats.num_free_blocks,
-        num_preemptions=stats.num_preemptions,
-        num_chunked_prefills=stats.num_chunked_prefills,
-        num_prompt_tokens=stats.num_prompt_tokens,
-        num_generated_tokens=stats.num_generated_tokens,
-        finished=stats.finished,
-    )
+    return pb.ServerStats(**attrs.asdict(stats))
 
 
 def model_info_message(info: ModelInfo) -> pb.ModelInfo:
-    return pb.ModelInfo(
-        model=info.model,
-        max_model_len=info.max_model_len,
-        vocab_size=info.vocab_size,
-        dtype=info.dtype,
-        device=info.device,
-        block_size=info.block_size,
-    )
+    return pb.ModelInfo(**attrs.asdict(info))

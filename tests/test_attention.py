@@ -52,3 +52,27 @@ def test_attention_metadata_pads_with_the_null_block_and_repeats_padded_queries(
     assert prefill.mask[1, 0, 1].tolist() == [T, T, T, T, F, F, F, F]
     # No real query attends a padding block's slots.
     assert not prefill.mask[0, 0][prefill.valid[0]][:, 4:].any()
+
+
+def test_attention_metadata_folds_query_groups_into_the_mask_rows() -> None:
+    plain = build_attention_metadata(
+        num_computed=[2, 5],
+        query_lens=[3, 1],
+        block_tables=[[1, 2], [3, 4]],
+        block_size=4,
+        device=CPU,
+    )
+    folded = build_attention_metadata(
+        num_computed=[2, 5],
+        query_lens=[3, 1],
+        block_tables=[[1, 2], [3, 4]],
+        block_size=4,
+        device=CPU,
+        num_queries_per_kv=3,
+    )
+    plain_decode, plain_prefill = plain.groups
+    decode, prefill = folded.groups
+    assert torch.equal(decode.mask, plain_decode.mask)  # one row, broadcast over the group
+    assert prefill.mask.shape == (1, 1, 9, 8)
+    for g in range(3):  # row g * Q + i is query i's row
+        assert torch.equal(prefill.mask[0, 0, 3 * g : 3 * g + 3], plain_prefill.mask[0, 0])
