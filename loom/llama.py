@@ -55,14 +55,9 @@ class LlamaLayer:
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    x32 = x.float()
-    x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + eps)
-    return weight * x32.to(x.dtype)
-
-
-def rotate_half(x: torch.Tensor) -> torch.Tensor:
-    half = x.shape[-1] // 2
-    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+    """transformers' LlamaRMSNorm: normalise in float32, scale in the input dtype (fp32: the
+    same bits as its five separate ops, in one)."""
+    return weight * F.rms_norm(x.float(), weight.shape, eps=eps).to(x.dtype)
 
 
 class LlamaModel:
@@ -135,6 +130,10 @@ class LlamaModel:
         hidden = F.embedding(input_ids, self.embed)
         cos, sin = self.rotary(hidden, positions[None])
         cos, sin = cos[0, :, None, :], sin[0, :, None, :]  # [T, 1, D]: broadcast over heads
+        # transformers' `x * cos + rotate_half(x) * sin`, where rotate_half(x) = [-x2, x1]:
+        # [-x2, x1] * sin == roll(x) * [-sin1, sin2], bit for bit, in one copy fewer.
+        half = self.head_dim // 2
+        sin = torch.cat([-sin[..., :half], sin[..., half:]], dim=-1)
         for layer, k_cache, v_cache in zip(self.layers, kv_cache.k, kv_cache.v, strict=True):
             hidden = hidden + self.attention(
                 layer,
@@ -162,13 +161,11 @@ class LlamaModel:
         num_tokens = x.shape[0]
         q_size, kv_size = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
         qkv = layer.qkv(x)
-        q, k, v = torch.split(qkv, [q_size, kv_size, kv_size], dim=-1)
-        q = q.view(num_tokens, self.num_heads, self.head_dim)
-        k = k.view(num_tokens, self.num_kv_heads, self.head_dim)
-        v = v.view(num_tokens, self.num_kv_heads, self.head_dim)
-        q = q * cos + rotate_half(q) * sin
-        k = k * cos + rotate_half(k) * sin
-        write_kv(k_cache, v_cache, k, v, metadata.slot_mapping)
+        qk = qkv[:, : q_size + kv_size].view(num_tokens, -1, self.head_dim)
+        qk = qk * cos + qk.roll(self.head_dim // 2, dims=-1) * sin  # rotary, q and k at once
+        q, k = qk[:, : self.num_heads], qk[:, self.num_heads :]
+        v = qkv[:, q_size + kv_size :].view(num_tokens, self.num_kv_heads, self.head_dim)
+        write_kv(k_cache, v_cache, k, v, metadata)
         out = paged_attention(q, k_cache, v_cache, metadata, self.scale)
         return layer.o(out.reshape(num_tokens, q_size))
 

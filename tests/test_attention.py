@@ -4,10 +4,16 @@ from __future__ import annotations
 
 import torch
 
-from loom.attention import build_attention_metadata
+from loom.attention import AttentionGroup, build_attention_metadata
 
 CPU = torch.device("cpu")
 T, F = True, False
+
+
+def allowed(group: AttentionGroup) -> torch.Tensor:
+    """Where the additive mask lets a query attend (0), not where it blocks (-inf)."""
+    assert set(group.mask.unique().tolist()) <= {0.0, float("-inf")}
+    return group.mask == 0
 
 
 def test_attention_metadata_matches_the_worked_example() -> None:
@@ -21,11 +27,11 @@ def test_attention_metadata_matches_the_worked_example() -> None:
     assert metadata.slot_mapping.tolist() == [9, 16, 17, 18]
     decode, prefill = metadata.groups
     assert decode.query_index.tolist() == [[0]]
-    assert decode.block_index.tolist() == [7, 2]
-    assert decode.mask[0, 0].tolist() == [[T, T, T, T, T, T, F, F]]  # positions 0..5 of 8 slots
+    assert decode.row_index.tolist() == [7, 2]
+    assert allowed(decode)[0, 0].tolist() == [[T, T, T, T, T, T, F, F]]  # positions 0..5 of 8 slots
     assert prefill.query_index.tolist() == [[1, 2, 3]]
-    assert prefill.block_index.tolist() == [4]
-    assert prefill.mask[0, 0].tolist() == [[T, F, F, F], [T, T, F, F], [T, T, T, F]]
+    assert prefill.row_index.tolist() == [4]
+    assert allowed(prefill)[0, 0].tolist() == [[T, F, F, F], [T, T, F, F], [T, T, T, F]]
 
 
 def test_attention_metadata_pads_with_the_null_block_and_repeats_padded_queries() -> None:
@@ -38,7 +44,7 @@ def test_attention_metadata_pads_with_the_null_block_and_repeats_padded_queries(
     )
     (prefill,) = metadata.groups
     # Two blocks for the longest; the shorter ones are padded with block 0.
-    assert prefill.block_index.tolist() == [3, 0, 5, 0, 6, 8]
+    assert prefill.row_index.tolist() == [3, 0, 5, 0, 6, 8]
     # Queries padded to 6 by repeating each sequence's last token.
     assert prefill.query_index.tolist() == [
         [0, 1, 2, 2, 2, 2],
@@ -48,10 +54,10 @@ def test_attention_metadata_pads_with_the_null_block_and_repeats_padded_queries(
     assert prefill.valid.tolist() == [[T, T, T, F, F, F], [T, T, F, F, F, F], [T] * 6]
     assert prefill.output_index.tolist() == list(range(11))
     # The second sequence's queries sit at positions 2 and 3: keys 0..2, then 0..3.
-    assert prefill.mask[1, 0, 0].tolist() == [T, T, T, F, F, F, F, F]
-    assert prefill.mask[1, 0, 1].tolist() == [T, T, T, T, F, F, F, F]
+    assert allowed(prefill)[1, 0, 0].tolist() == [T, T, T, F, F, F, F, F]
+    assert allowed(prefill)[1, 0, 1].tolist() == [T, T, T, T, F, F, F, F]
     # No real query attends a padding block's slots.
-    assert not prefill.mask[0, 0][prefill.valid[0]][:, 4:].any()
+    assert not allowed(prefill)[0, 0][prefill.valid[0]][:, 4:].any()
 
 
 def test_attention_metadata_folds_query_groups_into_the_mask_rows() -> None:
@@ -75,4 +81,22 @@ def test_attention_metadata_folds_query_groups_into_the_mask_rows() -> None:
     assert torch.equal(decode.mask, plain_decode.mask)  # one row, broadcast over the group
     assert prefill.mask.shape == (1, 1, 9, 8)
     for g in range(3):  # row g * Q + i is query i's row
-        assert torch.equal(prefill.mask[0, 0, 3 * g : 3 * g + 3], plain_prefill.mask[0, 0])
+        assert torch.equal(allowed(prefill)[0, 0, 3 * g : 3 * g + 3], allowed(plain_prefill)[0, 0])
+
+
+def test_attention_metadata_addresses_each_kv_head_row_of_a_block() -> None:
+    """Pool rows are (block, head) pairs: block b's head h is row b * H_kv + h, gathered in
+    [sequence, head, block] order; a new token at slot b * bs + o, head h, is written to
+    flat row (b * H_kv + h) * bs + o."""
+    metadata = build_attention_metadata(
+        num_computed=[5],
+        query_lens=[1],
+        block_tables=[[7, 2]],
+        block_size=4,
+        device=CPU,
+        num_kv_heads=2,
+    )
+    (decode,) = metadata.groups
+    assert decode.row_index.tolist() == [7 * 2 + 0, 2 * 2 + 0, 7 * 2 + 1, 2 * 2 + 1]
+    assert metadata.slot_mapping.tolist() == [2 * 4 + 1]
+    assert metadata.write_index.tolist() == [(2 * 2 + 0) * 4 + 1, (2 * 2 + 1) * 4 + 1]
