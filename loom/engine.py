@@ -268,7 +268,9 @@ class Engine:
         """In the worker thread: one forward for the whole batch, then batched sampling."""
         logits = self.runner.execute(output.sequences)
         rows = list(output.sample_index)
-        return self.sampler.sample(logits[rows], [output.requests[i] for i in rows])
+        if len(rows) < len(output.sequences):  # mid-prompt chunks sample nothing
+            logits = logits[rows]
+        return self.sampler.sample(logits, [output.requests[i] for i in rows])
 
     # Turning steps into outputs, in the scheduling task.
 

@@ -11,12 +11,14 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import weakref
 from collections.abc import Callable
 from typing import Any
 
 import trio
 from grpclib.health.check import ServiceStatus
 from grpclib.health.service import Health
+from grpclib.protocol import H2Protocol
 from grpclib.reflection.service import ServerReflection
 from grpclib.server import Server
 
@@ -25,6 +27,26 @@ from loom.engine import Engine
 from loom.servicer import LoomServicer
 
 log = logging.getLogger(__name__)
+
+
+class ConnectionTrackingServer(Server):
+    """grpclib's Server, keeping its connections so that shutdown can close them: grpclib
+    cancels their calls but leaves the sockets open, and Python 3.11's asyncio does not close
+    them either (they were reported unclosed when the garbage collector found them)."""
+
+    def __init__(self, handlers: Any) -> None:
+        super().__init__(handlers)
+        self.protocols: weakref.WeakSet[H2Protocol] = weakref.WeakSet()
+
+    def _protocol_factory(self) -> H2Protocol:
+        protocol = super()._protocol_factory()
+        self.protocols.add(protocol)
+        return protocol
+
+    def close_connections(self) -> None:
+        for protocol in list(self.protocols):
+            if hasattr(protocol, "connection"):  # set once connected
+                protocol.connection.close()
 
 
 class GrpcServer:
@@ -38,7 +60,7 @@ class GrpcServer:
         self.stop_requested = False
         self.servicer: LoomServicer | None = None
         self.health = ServiceStatus()
-        self.server: Server | None = None
+        self.server: ConnectionTrackingServer | None = None
 
     async def run(self, *, task_status: trio.TaskStatus[int] = trio.TASK_STATUS_IGNORED) -> None:
         token = trio.lowlevel.current_trio_token()
@@ -78,7 +100,7 @@ class GrpcServer:
         self.health.set(False)
         self.servicer = LoomServicer(self.engine, TrioBridge(token, self.loop), self.send_timeout)
         health = Health({self.servicer: [self.health]})
-        self.server = Server(ServerReflection.extend([self.servicer, health]))
+        self.server = ConnectionTrackingServer(ServerReflection.extend([self.servicer, health]))
         await self.server.start(self.host, self.port)
         listener = self.server._server  # grpclib exposes the port only through it
         if not isinstance(listener, asyncio.Server) or not listener.sockets:
@@ -89,6 +111,8 @@ class GrpcServer:
         finally:
             self.server.close()
             await self.server.wait_closed()
+            self.server.close_connections()
+            await asyncio.sleep(0)  # the transports close their sockets on the next loop turn
 
     def in_loop(self, fn: Callable[[], Any]) -> None:
         """Run `fn` in the asyncio thread (a no-op once the loop has gone)."""
