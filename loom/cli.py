@@ -1,4 +1,4 @@
-"""`loom`: the command line: `loom serve`, `loom bench`, `loom health`."""
+"""`loom`: the command line: `loom serve`, `loom bench`, `loom bench-step`, `loom health`."""
 
 from __future__ import annotations
 
@@ -12,7 +12,7 @@ from pathlib import Path
 
 import trio
 
-from loom import bench_command, health_probe
+from loom import bench_command, bench_step, health_probe
 from loom.device import resolve_device, resolve_dtype
 from loom.engine import Engine
 from loom.engine_config import EngineConfig
@@ -143,6 +143,7 @@ def parser() -> argparse.ArgumentParser:
         help="(default: info)",
     )
     bench_command.add_parser(commands)
+    bench_step.add_parser(commands)
     health_probe.add_parser(commands)
     root.formatter_class = argparse.RawDescriptionHelpFormatter
     root.epilog = serve.format_help()  # so that `loom --help` lists every flag too
@@ -190,7 +191,12 @@ def main(argv: Sequence[str] | None = None) -> None:
         format="%(asctime)s %(levelname)s %(name)s: %(message)s",
     )
     try:
-        commands = {"serve": serve, "bench": bench_command.run, "health": health_probe.run}
+        commands = {
+            "serve": serve,
+            "bench": bench_command.run,
+            "bench-step": bench_step.run,
+            "health": health_probe.run,
+        }
         sys.exit(commands[args.command](args))
     except ValueError as exc:  # a bad setting: name it, no traceback
         sys.exit(f"loom: {exc}")

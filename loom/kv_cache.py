@@ -1,4 +1,4 @@
-"""The KV pool: per layer, K and V tensors of `[num_blocks, num_kv_heads, block_size, head_dim]`.
+"""The KV pool: per layer, K and V tensors of `[num_blocks, block_size, num_kv_heads, head_dim]`.
 
 Preallocated once, sized from a memory budget, zero-filled (so that masked-out padding never reads
 NaN garbage). Which request owns which block is the BlockManager's business; this holds the data.
@@ -57,7 +57,7 @@ class KVCache:
 
     @classmethod
     def allocate(cls, shape: KVCacheShape, num_blocks: int, device: torch.device) -> KVCache:
-        size = (num_blocks, shape.num_kv_heads, shape.block_size, shape.head_dim)
+        size = (num_blocks, shape.block_size, shape.num_kv_heads, shape.head_dim)
 
         def layers() -> tuple[torch.Tensor, ...]:
             return tuple(

@@ -165,7 +165,7 @@ class LlamaModel:
         qk = qk * cos + qk.roll(self.head_dim // 2, dims=-1) * sin  # rotary, q and k at once
         q, k = qk[:, : self.num_heads], qk[:, self.num_heads :]
         v = qkv[:, q_size + kv_size :].view(num_tokens, self.num_kv_heads, self.head_dim)
-        write_kv(k_cache, v_cache, k, v, metadata)
+        write_kv(k_cache, v_cache, k, v, metadata.slot_mapping)
         out = paged_attention(q, k_cache, v_cache, metadata, self.scale)
         return layer.o(out.reshape(num_tokens, q_size))
 

