@@ -17,7 +17,7 @@ import torch
 from loom.bench import Workload, drive, launched_server, make_workload
 from loom.bench_baseline import run_baseline
 from loom.bench_metrics import Objectives, summarize, table
-from loom.loader import load_model
+from loom.loader import LoadedModel, load_model
 
 
 def add_parser(commands: Any) -> argparse.ArgumentParser:
@@ -62,6 +62,22 @@ def add_parser(commands: Any) -> argparse.ArgumentParser:
     return bench
 
 
+def counts(flag: str, text: str) -> list[int]:
+    """A comma-separated list of whole numbers of at least 1 (`1,8,64`)."""
+    try:
+        values = [int(item) for item in text.split(",")]
+    except ValueError:
+        raise ValueError(f"{flag} takes whole numbers separated by commas, got {text!r}") from None
+    for value in values:
+        at_least(flag, value, 1)
+    return values
+
+
+def at_least(flag: str, value: float, minimum: float) -> None:
+    if value < minimum:
+        raise ValueError(f"{flag} must be at least {minimum}, got {value}")
+
+
 def objectives(text: str) -> Objectives:
     limits = dict(item.split("=") for item in text.split(",") if item)
     unknown = set(limits) - {"ttft", "tpot", "e2e"}
@@ -85,55 +101,24 @@ def server_address(args: argparse.Namespace) -> Iterator[tuple[str, int]]:
 
 def run(args: argparse.Namespace) -> int:
     goals = objectives(args.goodput)
+    concurrencies = counts("--concurrency", args.concurrency)
+    for flag, value, minimum in [
+        ("--num-prompts", 1 if args.num_prompts is None else args.num_prompts, 1),
+        ("--input-len", args.input_len, 1),
+        ("--output-len", args.output_len, 1),
+        ("--warmup", args.warmup, 0),
+    ]:
+        at_least(flag, value, minimum)
+    if not args.request_rate > 0:
+        raise ValueError(f"--request-rate must be above 0, got {args.request_rate}")
     loaded = load_model(args.model, dtype=torch.float32, device=torch.device("cpu"))
     pad = loaded.tokenizer.pad_token_id or loaded.tokenizer.eos_token_id or 0
-    results: list[dict[str, Any]] = []
     with server_address(args) as (host, port):
-        for concurrency in (int(c) for c in args.concurrency.split(",")):
-            workload = make_workload(
-                loaded.tokenizer,
-                args.num_prompts or concurrency,
-                args.input_len,
-                args.output_len,
-                args.seed + concurrency,
-            )
-            warmup = Workload(prompts=workload.prompts[: args.warmup], output_len=8)
-            asyncio.run(
-                drive(
-                    host,
-                    port,
-                    warmup,
-                    concurrency=1,
-                    request_rate=float("inf"),
-                    seed=0,
-                    progress=False,
-                )
-            )
-            timings, duration, server = asyncio.run(
-                drive(
-                    host,
-                    port,
-                    workload,
-                    concurrency=concurrency,
-                    request_rate=args.request_rate,
-                    seed=args.seed,
-                )
-            )
-            result: dict[str, Any] = {
-                "concurrency": concurrency,
-                "loom": summarize(timings, duration, goals) | {"server": server},
-            }
-            if args.baseline:
-                base_timings, base_duration = run_baseline(loaded.model, pad, workload, concurrency)
-                result["baseline"] = summarize(base_timings, base_duration, goals)
-            results.append(result)
-            title = (
-                f"\n== concurrency {concurrency}: {len(workload.prompts)} requests, "
-                f"{args.input_len} prompt + {args.output_len} output tokens; "
-                f"KV blocks used at most {server['max_used_blocks']}/{server['num_total_blocks']}, "
-                f"preemptions {server['num_preemptions']}"
-            )
-            print(table(title, result["loom"], result.get("baseline")), flush=True)
+        try:
+            results = [measure(args, loaded, pad, goals, host, port, c) for c in concurrencies]
+        except ConnectionError as exc:
+            print(f"loom bench: no server answers at {host}:{port} ({exc})", file=sys.stderr)
+            return 2
     if args.json:
         config = {k: v for k, v in vars(args).items() if k not in ("json", "func")}
         args.json.write_text(json.dumps({"config": config, "runs": results}, indent=2, default=str))
@@ -141,3 +126,59 @@ def run(args: argparse.Namespace) -> int:
     if failed:
         print(f"{failed} requests failed", file=sys.stderr)
     return 1 if failed else 0
+
+
+def measure(
+    args: argparse.Namespace,
+    loaded: LoadedModel,
+    pad: int,
+    goals: Objectives,
+    host: str,
+    port: int,
+    concurrency: int,
+) -> dict[str, Any]:
+    """One concurrency level: warm up, drive the server, then the baseline if asked; print."""
+    workload = make_workload(
+        loaded.tokenizer,
+        args.num_prompts or concurrency,
+        args.input_len,
+        args.output_len,
+        args.seed + concurrency,
+    )
+    warmup = Workload(prompts=workload.prompts[: args.warmup], output_len=8)
+    asyncio.run(
+        drive(
+            host,
+            port,
+            warmup,
+            concurrency=1,
+            request_rate=float("inf"),
+            seed=0,
+            progress=False,
+        )
+    )
+    timings, duration, server = asyncio.run(
+        drive(
+            host,
+            port,
+            workload,
+            concurrency=concurrency,
+            request_rate=args.request_rate,
+            seed=args.seed,
+        )
+    )
+    result: dict[str, Any] = {
+        "concurrency": concurrency,
+        "loom": summarize(timings, duration, goals) | {"server": server},
+    }
+    if args.baseline:
+        base_timings, base_duration = run_baseline(loaded.model, pad, workload, concurrency)
+        result["baseline"] = summarize(base_timings, base_duration, goals)
+    title = (
+        f"\n== concurrency {concurrency}: {len(workload.prompts)} requests, "
+        f"{args.input_len} prompt + {args.output_len} output tokens; "
+        f"KV blocks used at most {server['max_used_blocks']}/{server['num_total_blocks']}, "
+        f"preemptions {server['num_preemptions']}"
+    )
+    print(table(title, result["loom"], result.get("baseline")), flush=True)
+    return result

@@ -20,6 +20,7 @@ from typing import Any
 import torch
 
 from loom.attention import build_attention_metadata, paged_attention, write_kv
+from loom.bench_command import at_least, counts
 from loom.device import resolve_device, resolve_dtype
 from loom.loader import load_model
 from loom.model_runner import ModelRunner, ScheduledSequence
@@ -46,9 +47,13 @@ def add_parser(commands: Any) -> argparse.ArgumentParser:
 
 
 def run(args: argparse.Namespace) -> None:
+    sizes = counts("--sequences", args.sequences)
+    at_least("--context", args.context, 0)
+    for flag, value in [("--prefill", args.prefill), ("--prompt-len", args.prompt_len)]:
+        at_least(flag, value, 1)
+    at_least("--repeats", args.repeats, 1)
     device = resolve_device(args.device)
     loaded = load_model(args.model, dtype=resolve_dtype(args.dtype, device), device=device)
-    sizes = [int(s) for s in args.sequences.split(",")]
     blocks_per_seq = -(-(args.context + 1) // BLOCK_SIZE)
     blocks_per_prompt = -(-args.prompt_len // BLOCK_SIZE)
     num_blocks = 1 + 2 * max(blocks_per_seq * max(sizes), blocks_per_prompt * args.prefill)
@@ -112,7 +117,7 @@ def decode_parts(
 
     def linears() -> None:
         for layer in model.layers:
-            layer.qkv(x), layer.o(x), layer.gate_up(x), layer.down(h)
+            layer.qkv(x), layer.o(q.view(num_seqs, -1)), layer.gate_up(x), layer.down(h)
 
     def attention() -> None:
         for k_cache, v_cache in zip(cache.k, cache.v, strict=True):

@@ -4,13 +4,17 @@ from __future__ import annotations
 
 import json
 import math
+import socket
 import subprocess
 import sys
 from pathlib import Path
 from typing import Any
 
+import pytest
+
 from loom.bench import make_workload
 from loom.bench_metrics import Objectives, RequestTiming, percentile, summarize
+from loom.cli import main
 
 
 def test_bench_percentile_interpolates_between_ranks() -> None:
@@ -66,3 +70,32 @@ def test_bench_runs_against_a_launched_server_with_the_baseline(
             assert run[side]["output_tokens"] == 32
             assert run[side]["goodput"] > 0
         assert run["loom"]["server"]["num_total_blocks"] > 0
+
+
+@pytest.mark.parametrize(
+    ("flags", "message"),
+    [
+        (["--concurrency", "1,x"], "--concurrency takes whole numbers separated by commas"),
+        (["--concurrency", "8,0"], "--concurrency must be at least 1, got 0"),
+        (["--num-prompts", "0"], "--num-prompts must be at least 1, got 0"),
+        (["--output-len", "0"], "--output-len must be at least 1, got 0"),
+        (["--request-rate", "0"], "--request-rate must be above 0"),
+        (["--goodput", "ttfb=100"], "--goodput takes ttft, tpot and e2e, not ttfb"),
+    ],
+)
+def test_bench_refuses_bad_flags_by_name(flags: list[str], message: str) -> None:
+    with pytest.raises(SystemExit) as exit_info:
+        main(["bench", "--address", "127.0.0.1:1", *flags])
+    assert message in str(exit_info.value.code)
+
+
+def test_bench_says_when_no_server_answers(tiny_folder: Path) -> None:
+    with socket.socket() as probe:  # a port nothing listens on
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    command = [sys.executable, "-m", "loom", "bench", "--model", str(tiny_folder)]
+    command += ["--address", f"127.0.0.1:{port}", "--concurrency", "1", "--input-len", "8"]
+    result = subprocess.run(command, capture_output=True, text=True, timeout=120)
+    assert result.returncode == 2
+    assert f"no server answers at 127.0.0.1:{port}" in result.stderr
+    assert "Traceback" not in result.stderr
