@@ -19,7 +19,7 @@ from typing import Any
 
 import torch
 
-from loom.attention import build_attention_metadata, paged_attention, write_kv
+from loom.attention import paged_attention, write_kv
 from loom.bench_command import at_least, counts
 from loom.device import resolve_device, resolve_dtype
 from loom.loader import load_model
@@ -99,15 +99,7 @@ def decode_parts(
 ) -> dict[str, float]:
     model, cache = runner.model, runner.kv_cache
     seqs = scheduled(runner, num_seqs, context, 1)
-    metadata = build_attention_metadata(
-        num_computed=[context] * num_seqs,
-        query_lens=[1] * num_seqs,
-        block_tables=[seq.block_table for seq in seqs],
-        block_size=BLOCK_SIZE,
-        device=runner.device,
-        num_queries_per_kv=model.num_heads // model.num_kv_heads,
-        dtype=runner.kv_cache_shape.dtype,
-    )
+    metadata = runner.attention_metadata(seqs)
     dtype, hidden_size = model.embed.dtype, model.embed.shape[1]
     x = torch.randn(num_seqs, hidden_size, dtype=dtype, device=runner.device)
     intermediate = model.layers[0].gate_up(x).shape[1] // 2

@@ -12,7 +12,7 @@ from collections.abc import Sequence
 import attrs
 import torch
 
-from loom.attention import build_attention_metadata
+from loom.attention import AttentionMetadata, build_attention_metadata
 from loom.kv_cache import KVCache
 from loom.llama import LlamaModel
 from loom.loader import LoadedModel
@@ -73,15 +73,7 @@ class ModelRunner:
         for seq in sequences:
             check_scheduled(seq, self.block_size)
         query_lens = [len(seq.token_ids) for seq in sequences]
-        metadata = build_attention_metadata(
-            num_computed=[seq.num_computed_tokens for seq in sequences],
-            query_lens=query_lens,
-            block_tables=[seq.block_table for seq in sequences],
-            block_size=self.block_size,
-            device=self.device,
-            num_queries_per_kv=self.model.num_heads // self.model.num_kv_heads,
-            dtype=self.kv_cache_shape.dtype,
-        )
+        metadata = self.attention_metadata(sequences)
         input_ids = torch.tensor([t for seq in sequences for t in seq.token_ids])
         positions = torch.cat(
             [
@@ -98,6 +90,18 @@ class ModelRunner:
             logits_index.to(self.device),
         )
         return logits.float()
+
+    def attention_metadata(self, sequences: Sequence[ScheduledSequence]) -> AttentionMetadata:
+        """The step's slot mapping, gather indices and masks, shared by every layer."""
+        return build_attention_metadata(
+            num_computed=[seq.num_computed_tokens for seq in sequences],
+            query_lens=[len(seq.token_ids) for seq in sequences],
+            block_tables=[seq.block_table for seq in sequences],
+            block_size=self.block_size,
+            device=self.device,
+            num_queries_per_kv=self.model.num_heads // self.model.num_kv_heads,
+            dtype=self.kv_cache_shape.dtype,
+        )
 
 
 def check_scheduled(seq: ScheduledSequence, block_size: int) -> None:

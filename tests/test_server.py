@@ -438,3 +438,17 @@ async def test_server_refuses_a_duplicate_request_id_without_touching_the_live_o
             outputs = [o async for o in live.outputs()]
             assert [t for o in outputs for t in o.token_ids] == expected
             assert str(outputs[-1].finish_reason) == "length"
+
+
+async def test_server_closes_the_connections_still_open_when_it_stops(
+    tiny_chat: LoadedModel,
+) -> None:
+    """grpclib cancels the calls of a closing server but leaves its sockets open."""
+    async with serving(tiny_chat) as (_, port):
+        client = await trio.open_tcp_stream("127.0.0.1", port)
+        with trio.fail_after(10):
+            assert await client.receive_some(1024)  # the server's HTTP/2 settings: accepted
+    with trio.fail_after(10):
+        while await client.receive_some(1024):  # b"" once the server's end is closed
+            pass
+    await client.aclose()
