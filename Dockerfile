@@ -21,7 +21,7 @@ RUN mkdir loom && touch loom/__init__.py \
  && pip uninstall --yes loom
 COPY loom ./loom
 RUN pip install --no-cache-dir --no-deps . \
- && python -m loom.loader
+ && python -m loom.model.loader
 # The converted default model is baked into the cache, so the first start takes seconds.
 
 # ---- runtime: the environment and the cache, a fixed non-root user, writable paths for any UID

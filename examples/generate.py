@@ -14,12 +14,12 @@ import sys
 import time
 from pathlib import Path
 
-import torch
-
-from loom.block_manager import BlockManager
-from loom.device import resolve_device, resolve_dtype
-from loom.loader import load_model
-from loom.model_runner import ModelRunner, ScheduledSequence
+from loom.core.block_manager import BlockManager
+from loom.core.config import CacheConfig
+from loom.core.sampling_params import SamplingParams
+from loom.core.step import SamplingInput, ScheduledSequence, SchedulerOutput
+from loom.model.loader import ModelConfig
+from loom.model.model_runner import ModelRunner
 
 
 def main() -> None:
@@ -32,14 +32,11 @@ def main() -> None:
     parser.add_argument("--dtype", default="auto")
     args = parser.parse_args()
 
-    device = resolve_device(args.device)
-    started = time.perf_counter()
-    loaded = load_model(
-        args.model,
-        dtype=resolve_dtype(args.dtype, device),
-        device=device,
-        cache_dir=args.model_cache,
+    config = ModelConfig(
+        model=args.model, model_cache=args.model_cache, device=args.device, dtype=args.dtype
     )
+    started = time.perf_counter()
+    loaded = config.load()
     print(f"loaded {loaded.name} in {time.perf_counter() - started:.1f} s", file=sys.stderr)
     tokenizer = loaded.tokenizer
     prompt = list(
@@ -50,10 +47,11 @@ def main() -> None:
 
     block_size = 16
     num_blocks = 1 + -(-(len(prompt) + args.max_tokens) // block_size)
-    runner = ModelRunner(loaded, num_blocks=num_blocks, block_size=block_size)
+    runner = ModelRunner(loaded, CacheConfig(num_blocks=num_blocks, block_size=block_size))
     manager = BlockManager(num_blocks=num_blocks, block_size=block_size)
 
     token_ids, num_computed, output, shown = prompt, 0, [], ""
+    greedy = SamplingParams(temperature=0)
     started = time.perf_counter()
     while len(output) < args.max_tokens:
         if not manager.allocate("example", len(token_ids)):
@@ -63,11 +61,16 @@ def main() -> None:
             token_ids=tuple(token_ids[num_computed:]),
             num_computed_tokens=num_computed,
             block_table=manager.block_table("example"),
+            sampling=SamplingInput(
+                params=greedy,
+                prompt_token_ids=tuple(prompt),
+                output_token_ids=tuple(output),
+                eos_token_ids=loaded.eos_token_ids,
+            ),
         )
-        logits = runner.execute([step])
+        (next_token,) = runner.execute_model(SchedulerOutput(sequences=(step,))).token_ids
         num_computed = len(token_ids)
-        next_token = int(torch.argmax(logits[0]))
-        if next_token == tokenizer.eos_token_id:
+        if next_token in loaded.eos_token_ids:
             break
         output.append(next_token)
         token_ids = prompt + output

@@ -11,16 +11,15 @@ from __future__ import annotations
 import argparse
 import sys
 import time
-from functools import partial
 
 import trio
 
-from loom.device import resolve_device, resolve_dtype
-from loom.engine import Engine
-from loom.engine_config import EngineConfig
-from loom.loader import load_model
-from loom.prompt import ChatMessage
-from loom.sampling_params import SamplingParams
+from loom.core.config import CacheConfig
+from loom.core.prompt import ChatMessage
+from loom.core.sampling_params import SamplingParams
+from loom.engine.config import EngineConfig
+from loom.engine.engine import Engine
+from loom.model.loader import ModelConfig
 
 DEFAULT_PROMPTS = [
     "What is the capital of France?",
@@ -52,9 +51,8 @@ async def main() -> None:
     parser.add_argument("--dtype", default="auto")
     args = parser.parse_args()
 
-    device = resolve_device(args.device)
-    load = partial(load_model, args.model, dtype=resolve_dtype(args.dtype, device), device=device)
-    engine = Engine(EngineConfig(kv_cache_memory=256 << 20), load)
+    model = ModelConfig(model=args.model, device=args.device, dtype=args.dtype)
+    engine = Engine(EngineConfig(cache=CacheConfig(kv_cache_memory=256 << 20)), model.load)
     sampling = SamplingParams(temperature=args.temperature, max_tokens=args.max_tokens)
     async with trio.open_nursery() as nursery:
         await nursery.start(engine.run)

@@ -23,7 +23,7 @@ from transformers import (
     Qwen2ForCausalLM,
 )
 
-from loom.loader import (
+from loom.model.loader import (
     LoadedModel,
     converted_gguf_folder,
     default_model_path,

@@ -1,9 +1,10 @@
-"""Requests built by hand for the sync unit tests."""
+"""Requests and step results built by hand for the sync unit tests."""
 
 from __future__ import annotations
 
-from loom.request import Request
-from loom.sampling_params import SamplingParams
+from loom.core.request import Request
+from loom.core.sampling_params import SamplingParams
+from loom.core.step import ModelRunnerOutput, SchedulerOutput
 
 
 def make_request(
@@ -17,9 +18,19 @@ def make_request(
     sampling = sampling or SamplingParams(max_tokens=max_tokens)
     return Request(
         request_id=request_id,
-        prompt_token_ids=list(range(1, num_prompt + 1)),
+        prompt_token_ids=tuple(range(1, num_prompt + 1)),
         sampling=sampling,
         max_tokens=sampling.max_tokens or max_tokens,
         eos_token_ids=eos_token_ids,
         arrival_time=0.0,
+    )
+
+
+def sampled(output: SchedulerOutput, token_id: int = 7) -> ModelRunnerOutput:
+    """What the runner would return for `output` if every sampling sequence drew `token_id`."""
+    request_ids = tuple(s.request_id for s in output.sequences if s.sampling is not None)
+    return ModelRunnerOutput(
+        request_ids=request_ids,
+        token_ids=(token_id,) * len(request_ids),
+        logprobs=(None,) * len(request_ids),
     )

@@ -1,7 +1,8 @@
 """A minimal greedy driver over BlockManager + ModelRunner, and transformers' `generate` as oracle.
 
-The engine's scheduler comes later; these tests drive the runner by hand so that each batch shape
-(decodes with a prefill, chunked prompts, late arrivals, scattered blocks) is chosen on purpose.
+These tests drive the runner by hand, without the scheduler, so that each batch shape (decodes
+with a prefill, chunked prompts, late arrivals, scattered blocks) is chosen on purpose. Tokens
+come from the runner's own sampler, greedy.
 """
 
 from __future__ import annotations
@@ -11,8 +12,12 @@ from typing import Any
 import attrs
 import torch
 
-from loom.block_manager import BlockManager
-from loom.model_runner import ModelRunner, ScheduledSequence
+from loom.core.block_manager import BlockManager
+from loom.core.sampling_params import SamplingParams
+from loom.core.step import SamplingInput, ScheduledSequence, SchedulerOutput
+from loom.model.model_runner import ModelRunner
+
+GREEDY = SamplingParams(temperature=0)
 
 
 @attrs.define
@@ -63,28 +68,42 @@ def run_greedy(
                 end = min(end, r.num_computed + chunk_size)
             if not manager.allocate(r.request_id, end):
                 raise RuntimeError("test pool too small")
-            scheduled.append(
-                ScheduledSequence(
-                    request_id=r.request_id,
-                    token_ids=tuple(r.token_ids[r.num_computed : end]),
-                    num_computed_tokens=r.num_computed,
-                    block_table=manager.block_table(r.request_id),
-                )
-            )
+            scheduled.append(scheduled_sequence(r, end, manager.block_table(r.request_id)))
         if not scheduled:
             log.num_steps += 1
             continue
-        logits = runner.execute(scheduled)
+        result = runner.execute_model(SchedulerOutput(sequences=tuple(scheduled)))
         record_step(log, scheduled, requests)
-        for r, seq, row in zip(active, scheduled, logits, strict=True):
+        sampled = dict(zip(result.request_ids, result.token_ids, strict=True))
+        for r, seq in zip(active, scheduled, strict=True):
             r.num_computed += len(seq.token_ids)
-            if r.num_computed == len(r.token_ids):
-                r.output.append(int(row.argmax()))
+            if r.request_id in sampled:
+                r.output.append(sampled[r.request_id])
                 if eos_token_id is not None and r.output[-1] == eos_token_id:
                     r.max_tokens = len(r.output)
             if r.finished:
                 manager.free(r.request_id)
     return log
+
+
+def scheduled_sequence(
+    request: GreedyRequest, end: int, block_table: tuple[int, ...]
+) -> ScheduledSequence:
+    """Tokens `num_computed:end` of the request; greedy sampling when they complete it."""
+    tokens = request.token_ids
+    sampling = SamplingInput(
+        params=GREEDY,
+        prompt_token_ids=tuple(request.prompt),
+        output_token_ids=tuple(request.output),
+        eos_token_ids=(),
+    )
+    return ScheduledSequence(
+        request_id=request.request_id,
+        token_ids=tuple(tokens[request.num_computed : end]),
+        num_computed_tokens=request.num_computed,
+        block_table=block_table,
+        sampling=sampling if end == len(tokens) else None,
+    )
 
 
 def record_step(

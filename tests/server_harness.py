@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import asyncio
 import threading
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
@@ -10,33 +9,25 @@ from typing import Any
 
 import trio
 
-from loom.engine import Engine
-from loom.engine_config import EngineConfig
-from loom.loader import LoadedModel
-from loom.server import LoomServer, ServerConfig
+from loom.engine.config import EngineConfig
+from loom.engine.engine import Engine, RunnerFactory
+from loom.model.loader import LoadedModel
+from loom.model.model_runner import ModelRunner
+from loom.server.server import LoomServer, ServerConfig
 
 
 @asynccontextmanager
-async def serving(loaded: LoadedModel, **config: Any) -> AsyncIterator[tuple[LoomServer, int]]:
-    server = LoomServer(
-        Engine(EngineConfig(**config), lambda: loaded), ServerConfig(port=0, drain_timeout=5)
-    )
+async def serving(
+    loaded: LoadedModel, make_runner: RunnerFactory = ModelRunner, **config: Any
+) -> AsyncIterator[tuple[LoomServer, int]]:
+    engine = Engine(EngineConfig(**config), lambda: loaded, make_runner=make_runner)
+    server = LoomServer(engine, ServerConfig(port=0, drain_timeout=5))
     async with trio.open_nursery() as nursery:
         port = await nursery.start(server.run)
         try:
             yield server, port
         finally:
             nursery.cancel_scope.cancel()
-
-
-async def wait_for_port(server: LoomServer) -> int:
-    """The bound port of a server started with `start_soon` (it reports it only once serving)."""
-    while True:
-        grpc = server.grpc.server
-        listener = grpc._server if grpc is not None else None
-        if isinstance(listener, asyncio.Server) and listener.sockets:
-            return int(listener.sockets[0].getsockname()[1])
-        await trio.sleep(0.01)
 
 
 @asynccontextmanager
@@ -51,8 +42,10 @@ async def loading(loaded: LoadedModel) -> AsyncIterator[tuple[int, threading.Eve
     server = LoomServer(Engine(EngineConfig(), slow_load), ServerConfig(port=0))
     async with trio.open_nursery() as nursery:
         nursery.start_soon(server.run)
+        await server.listening.wait()  # bound, while the model still loads
+        assert server.port is not None
         try:
-            yield await wait_for_port(server), release
+            yield server.port, release
         finally:
             release.set()
             nursery.cancel_scope.cancel()

@@ -1,0 +1,188 @@
+"""`loom bench`: drive a Loom server with concurrent streaming grpclib clients on a fixed workload.
+
+The standard workload (../shared/DESIGN.md §7): prompts of exactly `input_len` tokens, distinct,
+sent as token ids; exactly `output_len` tokens generated (ignore_eos); greedy. Requests arrive
+all at once or as a Poisson process at `request_rate`, at most `concurrency` in flight, one
+channel per concurrent client. While it runs, GetServerStats is polled for KV usage and
+preemptions. With `--baseline`, the same prompts also go through transformers' `generate` in
+static batches of `concurrency` (this process, same machine, same run) for a ratio per figure.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import random
+import re
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+from typing import Any
+
+import attrs
+from grpclib.client import Channel
+from tqdm import tqdm
+
+from loom.bench.metrics import RequestTiming
+from loom.v1 import loom_pb2 as pb
+from loom.v1.loom_grpc import LoomStub
+
+WORDS = (
+    "time year people way day man thing woman life child world school state family student "
+    "group country problem hand part place case week company system program question work "
+    "government number night point home water room mother area money story fact month lot "
+    "right study book eye job word business issue side kind head house service friend father "
+    "power hour game line end member law car city community name president team minute idea "
+    "kid body information back parent face others level office door health person art war "
+    "history party result change morning reason research girl guy moment air teacher force"
+).split()
+
+
+@attrs.frozen(kw_only=True)
+class Workload:
+    prompts: tuple[tuple[int, ...], ...]
+    output_len: int
+
+
+def make_workload(
+    tokenizer: Any, num_prompts: int, input_len: int, output_len: int, seed: int
+) -> Workload:
+    """Distinct prompts of exactly `input_len` tokens: numbered texts of random words."""
+    rng = random.Random(seed)
+    prompts = []
+    for i in range(num_prompts):
+        text = f"Story {i}: " + " ".join(rng.choice(WORDS) for _ in range(2 * input_len))
+        ids = tokenizer.encode(text)[:input_len]
+        if len(ids) < input_len:
+            raise ValueError(f"could not make a prompt of {input_len} tokens")
+        prompts.append(tuple(ids))
+    return Workload(prompts=tuple(prompts), output_len=output_len)
+
+
+def request_for(prompt: tuple[int, ...], output_len: int) -> pb.GenerateRequest:
+    return pb.GenerateRequest(
+        token_ids=pb.TokenIds(ids=prompt),
+        sampling=pb.SamplingParams(temperature=0, max_tokens=output_len, ignore_eos=True),
+    )
+
+
+async def one_request(channel: Channel, prompt: tuple[int, ...], output_len: int) -> RequestTiming:
+    start = time.perf_counter()
+    times: list[float] = []
+    try:
+        async with LoomStub(channel).Generate.open() as stream:
+            await stream.send_message(request_for(prompt, output_len), end=True)
+            async for response in stream:
+                now = time.perf_counter() - start
+                delta = response.delta if response.HasField("delta") else response.final.delta
+                times.extend([now] * len(delta.token_ids))
+    except Exception as exc:  # a failed request is counted, not fatal to the run
+        return RequestTiming(
+            ok=False, num_prompt_tokens=len(prompt), token_times=(), error=repr(exc)
+        )
+    return RequestTiming(ok=True, num_prompt_tokens=len(prompt), token_times=tuple(times))
+
+
+async def drive(
+    host: str,
+    port: int,
+    workload: Workload,
+    *,
+    concurrency: int,
+    request_rate: float,
+    seed: int,
+    progress: bool = True,
+) -> tuple[list[RequestTiming], float, dict[str, int]]:
+    """Run the workload; returns the timings, the wall time and what the server's stats showed."""
+    channels = [Channel(host, port) for _ in range(concurrency)]
+    free = asyncio.Queue[Channel]()
+    for channel in channels:
+        free.put_nowait(channel)
+    rng = random.Random(seed)
+    bar = tqdm(
+        total=len(workload.prompts),
+        disable=not progress,
+        desc=f"concurrency {concurrency}",
+        file=sys.stderr,
+    )
+    server = ServerWatch(host, port)
+    watcher = asyncio.create_task(server.watch())
+
+    async def run_one(prompt: tuple[int, ...], channel: Channel) -> RequestTiming:
+        try:
+            return await one_request(channel, prompt, workload.output_len)
+        finally:
+            free.put_nowait(channel)
+            bar.update()
+
+    start = time.perf_counter()
+    tasks = []
+    for prompt in workload.prompts:
+        channel = await free.get()
+        tasks.append(asyncio.create_task(run_one(prompt, channel)))
+        if request_rate != float("inf"):
+            await asyncio.sleep(rng.expovariate(request_rate))
+    timings = list(await asyncio.gather(*tasks))
+    duration = time.perf_counter() - start
+    watcher.cancel()
+    bar.close()
+    for channel in channels:
+        channel.close()
+    return timings, duration, await server.summary()
+
+
+class ServerWatch:
+    """Polls GetServerStats during a run: the most KV blocks in use, preemptions in the run."""
+
+    def __init__(self, host: str, port: int) -> None:
+        self.host, self.port = host, port
+        self.max_used_blocks = 0
+        self.first: pb.ServerStats | None = None
+
+    async def stats(self) -> pb.ServerStats:
+        async with Channel(self.host, self.port) as channel:
+            return await LoomStub(channel).GetServerStats(pb.GetServerStatsRequest())
+
+    async def watch(self) -> None:
+        self.first = await self.stats()
+        while True:
+            stats = await self.stats()
+            self.max_used_blocks = max(
+                self.max_used_blocks, stats.num_total_blocks - stats.num_free_blocks
+            )
+            await asyncio.sleep(0.25)
+
+    async def summary(self) -> dict[str, int]:
+        last = await self.stats()
+        first_preemptions = self.first.num_preemptions if self.first else last.num_preemptions
+        return {
+            "num_total_blocks": last.num_total_blocks,
+            "max_used_blocks": self.max_used_blocks,
+            "num_preemptions": last.num_preemptions - first_preemptions,
+        }
+
+
+@contextmanager
+def launched_server(serve_args: list[str]) -> Iterator[int]:
+    """`loom serve --port 0 ...` in a child process; yields its port once it serves."""
+    command = [sys.executable, "-m", "loom", "serve", "--port", "0", *serve_args]
+    process = subprocess.Popen(command, stderr=subprocess.PIPE, text=True)
+    try:
+        assert process.stderr is not None
+        port = None
+        for line in process.stderr:
+            if match := re.search(r"serving on [\w.:\[\]]+:(\d+)", line):
+                port = int(match.group(1))
+                break
+        if port is None:
+            raise RuntimeError(f"loom serve exited with {process.wait()} before serving")
+        threading.Thread(target=process.stderr.read, daemon=True).start()
+        yield port
+    finally:
+        process.terminate()
+        try:
+            process.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            process.kill()

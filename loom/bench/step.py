@@ -1,0 +1,144 @@
+"""`loom bench-step`: the model runner's decode step, timed whole and part by part.
+
+Where a step's time goes, without a server: for each batch size, S sequences decode one token
+each over `--context` cached tokens (the pool filled with random values, blocks scattered over
+it), and the step is timed whole (`ModelRunner.execute_model`, greedy sampling included) and by
+part, each part over all layers with the model's real weights: the linear layers, the LM head,
+attention (K/V write, gather, SDPA). What is left (norms, rotary, residual adds, sampling,
+Python, and the parts slowing each other down through the caches) is the difference. A prefill
+step of `--prefill` prompts of `--prompt-len` tokens is timed whole. Figures are medians of
+`--repeats`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+from loom.bench.command import at_least, counts
+from loom.core.config import CacheConfig
+from loom.core.sampling_params import SamplingParams
+from loom.core.step import SamplingInput, ScheduledSequence, SchedulerOutput
+from loom.model.attention import paged_attention, write_kv
+from loom.model.device import resolve_device, resolve_dtype
+from loom.model.loader import load_model
+from loom.model.model_runner import ModelRunner
+
+GREEDY = SamplingInput(
+    params=SamplingParams(temperature=0), prompt_token_ids=(), output_token_ids=(), eos_token_ids=()
+)
+
+BLOCK_SIZE = 16
+
+
+def add_parser(commands: Any) -> argparse.ArgumentParser:
+    bench: argparse.ArgumentParser = commands.add_parser(
+        "bench-step",
+        help="time the model runner's decode step, part by part",
+        description=__doc__.split("\n\n")[1].replace("\n", " ") if __doc__ else None,
+    )
+    add = bench.add_argument
+    add("--model", default=None, help="the model (default: SmolLM2-135M-Instruct)")
+    add("--sequences", default="1,8,64", help="comma-separated batch sizes (default: 1,8,64)")
+    add("--context", type=int, default=192, help="cached tokens per sequence (default: 192)")
+    add("--prefill", type=int, default=4, help="prompts in the prefill step (default: 4)")
+    add("--prompt-len", type=int, default=128, help="tokens per prefill prompt (default: 128)")
+    add("--repeats", type=int, default=10, help="timings per figure (default: 10)")
+    add("--device", default="auto", help="auto, cpu, cuda[:N]")
+    add("--dtype", default="auto", help="auto (float32 on cpu, bfloat16 on cuda) or a dtype name")
+    return bench
+
+
+def run(args: argparse.Namespace) -> None:
+    sizes = counts("--sequences", args.sequences)
+    at_least("--context", args.context, 0)
+    for flag, value in [("--prefill", args.prefill), ("--prompt-len", args.prompt_len)]:
+        at_least(flag, value, 1)
+    at_least("--repeats", args.repeats, 1)
+    device = resolve_device(args.device)
+    loaded = load_model(args.model, dtype=resolve_dtype(args.dtype, device), device=device)
+    blocks_per_seq = -(-(args.context + 1) // BLOCK_SIZE)
+    blocks_per_prompt = -(-args.prompt_len // BLOCK_SIZE)
+    num_blocks = 1 + 2 * max(blocks_per_seq * max(sizes), blocks_per_prompt * args.prefill)
+    runner = ModelRunner(loaded, CacheConfig(block_size=BLOCK_SIZE, num_blocks=num_blocks))
+    for layer in runner.kv_cache.k + runner.kv_cache.v:
+        layer.normal_()  # written pages, as in a server that has been running
+    print(f"decode step, {args.context} tokens cached per sequence; ms, median of {args.repeats}")
+    print(
+        f"{'sequences':>10} {'step':>8} {'linear':>8} {'LM head':>8} {'attention':>10} {'rest':>8}"
+    )
+    for num_seqs in sizes:
+        parts = decode_parts(runner, num_seqs, args.context, args.repeats)
+        rest = parts["step"] - parts["linear"] - parts["lm_head"] - parts["attention"]
+        print(
+            f"{num_seqs:>10} {parts['step']:>8.1f} {parts['linear']:>8.1f} "
+            f"{parts['lm_head']:>8.1f} {parts['attention']:>10.1f} {rest:>8.1f}"
+        )
+    prompts = scheduled(runner, args.prefill, 0, args.prompt_len, prefill=True)
+    prefill_ms = median_ms(lambda: runner.execute_model(prompts), max(2, args.repeats // 3))
+    print(f"prefill step, {args.prefill} prompts of {args.prompt_len} tokens: {prefill_ms:.0f} ms")
+
+
+def scheduled(
+    runner: ModelRunner, num_seqs: int, context: int, new_tokens: int, *, prefill: bool = False
+) -> SchedulerOutput:
+    """Greedy sequences over blocks taken at random from the pool (block 0 is the null block)."""
+    per_seq = -(-(context + new_tokens) // BLOCK_SIZE)
+    blocks = (torch.randperm(runner.num_blocks - 1)[: num_seqs * per_seq] + 1).tolist()
+    sequences = [
+        ScheduledSequence(
+            request_id=str(i),
+            token_ids=tuple(range(5, 5 + new_tokens)) if prefill else (5,),
+            num_computed_tokens=context,
+            block_table=tuple(blocks[i * per_seq : (i + 1) * per_seq]),
+            sampling=GREEDY,
+        )
+        for i in range(num_seqs)
+    ]
+    return SchedulerOutput(sequences=tuple(sequences))
+
+
+@torch.inference_mode()
+def decode_parts(
+    runner: ModelRunner, num_seqs: int, context: int, repeats: int
+) -> dict[str, float]:
+    model, cache = runner.model, runner.kv_cache
+    step = scheduled(runner, num_seqs, context, 1)
+    metadata = runner.attention_metadata(step.sequences)
+    dtype, hidden_size = model.embed.dtype, model.embed.shape[1]
+    x = torch.randn(num_seqs, hidden_size, dtype=dtype, device=runner.device)
+    intermediate = model.layers[0].gate_up(x).shape[1] // 2
+    h = torch.randn(num_seqs, intermediate, dtype=dtype, device=runner.device)
+    q = torch.randn(num_seqs, model.num_heads, model.head_dim, dtype=dtype, device=runner.device)
+    kv = torch.randn(num_seqs, model.num_kv_heads, model.head_dim, dtype=dtype, device=x.device)
+
+    def linears() -> None:
+        for layer in model.layers:
+            layer.qkv(x), layer.o(q.view(num_seqs, -1)), layer.gate_up(x), layer.down(h)
+
+    def attention() -> None:
+        for k_cache, v_cache in zip(cache.k, cache.v, strict=True):
+            write_kv(k_cache, v_cache, kv, kv, metadata.slot_mapping)
+            paged_attention(q, k_cache, v_cache, metadata, model.scale)
+
+    return {
+        "step": median_ms(lambda: runner.execute_model(step), repeats),
+        "linear": median_ms(linears, repeats),
+        "lm_head": median_ms(lambda: model.lm_head(x), repeats),
+        "attention": median_ms(attention, repeats),
+    }
+
+
+def median_ms(fn: Callable[[], object], repeats: int) -> float:
+    fn()  # warm-up
+    times = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        fn()
+        times.append((time.perf_counter() - start) * 1000)
+    return statistics.median(times)

@@ -1,0 +1,57 @@
+"""The core's settings: the KV cache's shape and size, and the scheduler's limits per step."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import attrs
+
+from loom.core.setting import at_least, byte_size, in_range, setting
+
+
+@attrs.frozen(kw_only=True)
+class CacheConfig:
+    """The KV pool. Its size is the first of these that is set: `num_blocks`, then
+    `kv_cache_memory` bytes, then `kv_cache_memory_fraction` of the device's free memory."""
+
+    block_size: int = setting(16, "tokens per KV block", check=at_least(1))
+    num_blocks: int | None = setting(
+        None,
+        "KV pool size in blocks, the null block included (overrides the memory settings)",
+        check=at_least(2),
+    )
+    kv_cache_memory: int | None = setting(
+        None,
+        "KV pool size in bytes, e.g. 2GiB (overrides --kv-cache-memory-fraction)",
+        check=at_least(1),
+        parse=byte_size,
+    )
+    kv_cache_memory_fraction: float = setting(
+        0.1,
+        "KV pool as a fraction of the device's free memory",
+        check=in_range(0, 1, low_open=True),
+    )
+
+    def num_blocks_for(self, bytes_per_block: int, free_memory: Callable[[], int]) -> int:
+        """The pool size in blocks; `free_memory()` (bytes) is asked only when the fraction
+        decides."""
+        if self.num_blocks is not None:
+            return self.num_blocks
+        if self.kv_cache_memory is not None:
+            budget, source = self.kv_cache_memory, "kv_cache_memory"
+        else:
+            budget = int(free_memory() * self.kv_cache_memory_fraction)
+            source = f"kv_cache_memory_fraction={self.kv_cache_memory_fraction} of free memory"
+        num_blocks = budget // bytes_per_block
+        if num_blocks < 2:
+            raise ValueError(
+                f"{source}: {budget} bytes hold {num_blocks} KV blocks of {bytes_per_block} "
+                "bytes; at least 2 are needed (one is the null block)"
+            )
+        return num_blocks
+
+
+@attrs.frozen(kw_only=True)
+class SchedulerConfig:
+    max_num_seqs: int = setting(64, "most sequences in one step", check=at_least(1))
+    max_num_batched_tokens: int = setting(512, "most tokens in one step", check=at_least(1))

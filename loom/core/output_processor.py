@@ -1,0 +1,77 @@
+"""From the scheduler's updates to `RequestOutput`s: detokenise, match stop strings, time.
+
+For each token a request receives it makes the delta (token, UTF-8-safe text, logprobs) and says
+whether a stop string ends the request there: the one stop that text decides (the scheduler
+decides the others). For each finished request it makes the final output (finish reason, usage,
+timings). Without a tokenizer there is no text and no stop string.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import attrs
+
+from loom.core.detokenizer import IncrementalDetokenizer
+from loom.core.request import Request
+from loom.core.request_output import Logprobs, RequestOutput, Timings, Usage
+
+
+class OutputProcessor:
+    def __init__(self, tokenizer: Any) -> None:
+        self.tokenizer = tokenizer
+        self.detokenizers: dict[str, IncrementalDetokenizer] = {}
+
+    def add_request(self, request: Request) -> None:
+        if self.tokenizer is not None:
+            self.detokenizers[request.request_id] = IncrementalDetokenizer(
+                self.tokenizer, request.prompt_token_ids, request.sampling.stop
+            )
+
+    def new_token(self, request: Request, logprobs: Logprobs | None) -> tuple[RequestOutput, bool]:
+        """The delta for the request's newest token, and whether a stop string ends it there."""
+        token = request.output_token_ids[-1]
+        text, hit_stop = "", False
+        detokenizer = self.detokenizers.get(request.request_id)
+        if detokenizer is not None:
+            text, hit_stop = detokenizer.add(token)
+            if request.finished and not hit_stop:
+                text += detokenizer.flush()  # the last token: nothing more will complete it
+        delta = RequestOutput(
+            request_id=request.request_id,
+            token_ids=(token,),
+            text=text,
+            logprobs=() if logprobs is None else (logprobs,),
+        )
+        return delta, hit_stop
+
+    def final(
+        self, request: Request, now: float, delta: RequestOutput | None = None
+    ) -> RequestOutput:
+        """The last output of a request the scheduler has finished (with its last delta, if the
+        request ended on a token)."""
+        self.detokenizers.pop(request.request_id, None)
+        reason = request.status.finish_reason
+        if reason is None:
+            raise ValueError(f"request {request.request_id} is not finished")
+        return attrs.evolve(
+            delta or RequestOutput(request_id=request.request_id),
+            finish_reason=reason,
+            error=request.error,
+            usage=Usage(
+                prompt_tokens=request.num_prompt_tokens,
+                completion_tokens=len(request.output_token_ids),
+            ),
+            timings=timings(request, now),
+        )
+
+
+def timings(request: Request, now: float) -> Timings:
+    def since_arrival(t: float | None) -> float | None:
+        return None if t is None else (t - request.arrival_time) * 1000
+
+    return Timings(
+        queue_ms=since_arrival(request.first_scheduled_time or now) or 0.0,
+        ttft_ms=since_arrival(request.first_token_time),
+        e2e_ms=(now - request.arrival_time) * 1000,
+    )

@@ -1,0 +1,125 @@
+"""Prompts (text, chat messages or token ids): tokenising, and the checks that refuse at once
+what could never be served.
+
+Refused: an empty prompt, a token id outside the vocabulary, prompt + max_tokens beyond the
+context length (the model's, or what the whole KV pool holds if that is less), and a prompt too
+large to be worth tokenising. `tokenize` can take a while on a long text: callers run it off
+their event loop.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+import attrs
+
+from loom.core.errors import InvalidRequestError
+from loom.core.request import Request
+from loom.core.sampling_params import SamplingParams
+
+
+@attrs.frozen(kw_only=True)
+class ChatMessage:
+    role: str
+    content: str
+
+
+Prompt = str | Sequence[int] | Sequence[ChatMessage]
+
+
+@attrs.frozen(kw_only=True)
+class PromptChecker:
+    """What requests are checked and built against: the model's tokenizer and limits."""
+
+    tokenizer: Any  # None for models loaded without one: token-id prompts only
+    vocab_size: int
+    max_model_len: int  # the model's context length, or what the whole KV pool holds if less
+    eos_token_ids: tuple[int, ...]
+    max_prompt_chars: int
+
+    def check_size(self, prompt: Prompt) -> None:
+        """Refuse an oversized prompt at once, before the work of tokenising it."""
+        if isinstance(prompt, str):
+            num_chars = len(prompt)
+        else:
+            items = list(prompt)
+            num_chars = sum(len(m.content) for m in items if isinstance(m, ChatMessage))
+            if len(items) > self.max_model_len:
+                raise InvalidRequestError(
+                    f"token_ids has {len(items)} tokens; the context length is {self.max_model_len}"
+                )
+        if num_chars > self.max_prompt_chars:
+            raise InvalidRequestError(
+                f"prompt has {num_chars} characters; the limit is "
+                f"max_prompt_chars={self.max_prompt_chars}"
+            )
+
+    def tokenize(self, prompt: Prompt) -> tuple[int, ...]:
+        """The prompt's token ids, each checked against the vocabulary."""
+        if isinstance(prompt, str):
+            if not prompt:
+                raise InvalidRequestError("prompt text must not be empty")
+            return tuple(self.need_tokenizer().encode(prompt))
+        items = list(prompt)
+        if not items:
+            raise InvalidRequestError("prompt must not be empty (text, messages or token_ids)")
+        messages = [m for m in items if isinstance(m, ChatMessage)]
+        if len(messages) == len(items):
+            return self.encode_chat(messages)
+        if not all(isinstance(t, int) for t in items):
+            raise InvalidRequestError("prompt must be text, chat messages or token ids")
+        for t in items:
+            if not (0 <= t < self.vocab_size):  # type: ignore[operator]
+                raise InvalidRequestError(
+                    f"token_ids must be in [0, {self.vocab_size}) (the vocabulary size), got {t}"
+                )
+        return tuple(items)  # type: ignore[arg-type]
+
+    def encode_chat(self, messages: list[ChatMessage]) -> tuple[int, ...]:
+        tokenizer = self.need_tokenizer()
+        if tokenizer.chat_template is None:
+            raise InvalidRequestError("messages need a chat template; this model has none")
+        encoded = tokenizer.apply_chat_template(
+            [{"role": m.role, "content": m.content} for m in messages],
+            add_generation_prompt=True,
+            tokenize=True,
+        )
+        return tuple(encoded if isinstance(encoded, list) else encoded["input_ids"])
+
+    def need_tokenizer(self) -> Any:
+        if self.tokenizer is None:
+            raise InvalidRequestError("text prompts need a tokenizer; this model has none")
+        return self.tokenizer
+
+    def request(
+        self,
+        request_id: str,
+        token_ids: tuple[int, ...],
+        sampling: SamplingParams,
+        *,
+        arrival_time: float,
+        deadline: float | None,
+    ) -> Request:
+        """A checked request for a tokenised prompt."""
+        return Request(
+            request_id=request_id,
+            prompt_token_ids=token_ids,
+            sampling=sampling,
+            max_tokens=self.check(token_ids, sampling.max_tokens),
+            eos_token_ids=self.eos_token_ids,
+            arrival_time=arrival_time,
+            deadline=deadline,
+        )
+
+    def check(self, token_ids: Sequence[int], max_tokens: int | None) -> int:
+        """The request's resolved max_tokens, or why it can never be served."""
+        num_prompt = len(token_ids)
+        if not token_ids:
+            raise InvalidRequestError("prompt must not be empty")
+        if num_prompt + (max_tokens or 1) > self.max_model_len:
+            raise InvalidRequestError(
+                f"prompt ({num_prompt} tokens) + max_tokens ({max_tokens or 1}) exceeds the "
+                f"context length of {self.max_model_len} tokens"
+            )
+        return max_tokens or self.max_model_len - num_prompt

@@ -1,0 +1,105 @@
+"""A request's state as the scheduler sees it, and how a sampled token ends it."""
+
+from __future__ import annotations
+
+import enum
+
+import attrs
+
+from loom.core.request_output import FinishReason
+from loom.core.sampling_params import SamplingParams
+
+
+class RequestStatus(enum.IntEnum):
+    """Ordered so that `status >= FINISHED_STOPPED` means finished, whatever the reason."""
+
+    WAITING = 0
+    RUNNING = 1
+    PREEMPTED = 2
+    FINISHED_STOPPED = 3
+    FINISHED_LENGTH = 4
+    FINISHED_STOP_SEQUENCE = 5
+    FINISHED_ABORTED = 6
+    FINISHED_STALLED = 7
+    FINISHED_DEADLINE = 8
+    FINISHED_ERROR = 9
+
+    @property
+    def finished(self) -> bool:
+        return self >= RequestStatus.FINISHED_STOPPED
+
+    @property
+    def finish_reason(self) -> FinishReason | None:
+        return FINISH_REASONS.get(self)
+
+
+FINISH_REASONS = {
+    RequestStatus.FINISHED_STOPPED: FinishReason.STOP,
+    RequestStatus.FINISHED_LENGTH: FinishReason.LENGTH,
+    RequestStatus.FINISHED_STOP_SEQUENCE: FinishReason.STOP_SEQUENCE,
+    RequestStatus.FINISHED_ABORTED: FinishReason.ABORTED,
+    RequestStatus.FINISHED_STALLED: FinishReason.STALLED,
+    RequestStatus.FINISHED_DEADLINE: FinishReason.DEADLINE,
+    RequestStatus.FINISHED_ERROR: FinishReason.ERROR,
+}
+
+
+@attrs.define(eq=False)
+class Request:
+    """`num_computed_tokens` catches up with `num_tokens`; when it does, a new token is sampled.
+
+    `request_id` is the engine's own, unique for the engine's life: a client's id is a label the
+    server echoes, never a key."""
+
+    request_id: str
+    prompt_token_ids: tuple[int, ...]
+    sampling: SamplingParams
+    max_tokens: int  # resolved: sampling.max_tokens, or what the context leaves
+    eos_token_ids: tuple[int, ...]  # empty when the model has none
+    arrival_time: float
+    deadline: float | None = None
+    output_token_ids: list[int] = attrs.field(factory=list)
+    num_computed_tokens: int = 0
+    status: RequestStatus = RequestStatus.WAITING
+    num_preemptions: int = 0
+    paused_since: float | None = None  # its consumer's buffer is full: not scheduled
+    first_scheduled_time: float | None = None
+    first_token_time: float | None = None
+    error: str | None = None
+
+    @property
+    def num_prompt_tokens(self) -> int:
+        return len(self.prompt_token_ids)
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.prompt_token_ids) + len(self.output_token_ids)
+
+    def token_ids(self, start: int, end: int) -> tuple[int, ...]:
+        """Tokens `start:end` of prompt + output, without copying the whole of either."""
+        num_prompt = len(self.prompt_token_ids)
+        if end <= num_prompt:
+            return self.prompt_token_ids[start:end]
+        output = self.output_token_ids[max(start - num_prompt, 0) : end - num_prompt]
+        return self.prompt_token_ids[start:] + tuple(output)
+
+    @property
+    def finished(self) -> bool:
+        return self.status.finished
+
+    @property
+    def paused(self) -> bool:
+        return self.paused_since is not None
+
+    def stop_status(self) -> RequestStatus | None:
+        """How the last sampled token ends the request, if it does (stop strings aside)."""
+        token = self.output_token_ids[-1]
+        num_output = len(self.output_token_ids)
+        if num_output >= self.sampling.min_tokens and (
+            token in self.sampling.stop_token_ids
+            or (token in self.eos_token_ids and not self.sampling.ignore_eos)
+        ):
+            return RequestStatus.FINISHED_STOPPED
+        if num_output >= self.max_tokens:
+            return RequestStatus.FINISHED_LENGTH
+        return None

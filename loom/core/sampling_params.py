@@ -1,0 +1,79 @@
+"""Sampling parameters, validated NaN-safely, each error naming the field and its limit.
+
+Field names and defaults follow vLLM and OpenAI. Comparisons are written `not (lo <= x <= hi)`,
+which rejects NaN, never `x < lo or x > hi`, which lets NaN through.
+"""
+
+from __future__ import annotations
+
+import attrs
+
+from loom.core.errors import InvalidRequestError
+
+MAX_LOGPROBS = 20
+MAX_STOP_STRINGS = 16
+MAX_STOP_STRING_CHARS = 256
+
+
+def check_range(field: str, value: float, lo: float, hi: float) -> None:
+    if not (lo <= value <= hi):
+        raise InvalidRequestError(f"{field} must be in [{lo}, {hi}], got {value}")
+
+
+@attrs.frozen(kw_only=True)
+class SamplingParams:
+    temperature: float = 1.0  # 0 means greedy
+    top_p: float = 1.0  # (0, 1]; 1 disables
+    top_k: int = 0  # 0 disables
+    min_p: float = 0.0  # [0, 1]; 0 disables
+    repetition_penalty: float = 1.0  # (0, 2]; 1 disables; prompt and output tokens
+    presence_penalty: float = 0.0  # [-2, 2]; output tokens
+    frequency_penalty: float = 0.0  # [-2, 2]; output tokens
+    seed: int | None = None
+    max_tokens: int | None = None  # None: up to the context length
+    min_tokens: int = 0
+    stop: tuple[str, ...] = ()
+    stop_token_ids: tuple[int, ...] = ()
+    ignore_eos: bool = False
+    logprobs: int | None = None  # top alternatives to return besides the chosen token, 0..20
+
+    def __attrs_post_init__(self) -> None:
+        check_range("temperature", self.temperature, 0.0, 100.0)
+        if not (0.0 < self.top_p <= 1.0):
+            raise InvalidRequestError(f"top_p must be in (0, 1], got {self.top_p}")
+        check_range("top_k", self.top_k, 0, 1 << 30)
+        check_range("min_p", self.min_p, 0.0, 1.0)
+        if not (0.0 < self.repetition_penalty <= 2.0):
+            raise InvalidRequestError(
+                f"repetition_penalty must be in (0, 2], got {self.repetition_penalty}"
+            )
+        check_range("presence_penalty", self.presence_penalty, -2.0, 2.0)
+        check_range("frequency_penalty", self.frequency_penalty, -2.0, 2.0)
+        if self.seed is not None:
+            check_range("seed", self.seed, 0, (1 << 63) - 1)
+        if self.max_tokens is not None:
+            check_range("max_tokens", self.max_tokens, 1, 1 << 30)
+        check_range("min_tokens", self.min_tokens, 0, self.max_tokens or 1 << 30)
+        if len(self.stop) > MAX_STOP_STRINGS:
+            raise InvalidRequestError(f"stop holds at most {MAX_STOP_STRINGS} strings")
+        for s in self.stop:
+            if not (1 <= len(s) <= MAX_STOP_STRING_CHARS):
+                raise InvalidRequestError(
+                    f"each stop string must have 1 to {MAX_STOP_STRING_CHARS} characters"
+                )
+        for token_id in self.stop_token_ids:
+            check_range("stop_token_ids", token_id, 0, 1 << 31)
+        if self.logprobs is not None:
+            check_range("logprobs", self.logprobs, 0, MAX_LOGPROBS)
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0.0
+
+    @property
+    def has_penalties(self) -> bool:
+        return (
+            self.repetition_penalty != 1.0
+            or self.presence_penalty != 0.0
+            or self.frequency_penalty != 0.0
+        )

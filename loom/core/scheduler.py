@@ -1,0 +1,230 @@
+"""Continuous batching with a token budget, chunked prefill and preemption by recompute.
+
+Each request has `num_computed_tokens` (K/V in the pool) catching up with `num_tokens` (prompt +
+output). Every step hands out at most `max_num_batched_tokens` tokens over at most
+`max_num_seqs` sequences. There is no separate prefill phase: a running request gets what it
+lacks, up to the budget left (a decode needs one token, a long prompt takes a chunk), so prompts
+are prefilled in chunks alongside running decodes. A request whose tokens are all computed
+after a step samples a new token.
+
+Order: running requests first, in arrival order, skipping paused ones (their consumer's buffer
+is full). When a running request cannot get blocks, a victim is preempted: its blocks are freed,
+its progress forgotten (it recomputes prompt + output later) and it goes back to the front of the
+queue. Victims: paused requests first, then the latest arrival. Waiting requests are admitted
+only in steps that preempted nothing; a preempted request resumes only when blocks for all its
+tokens are free, so that it does not thrash.
+
+The step goes one way: `schedule` makes a `SchedulerOutput` (plain data), the model runner
+returns a `ModelRunnerOutput`, and `update` applies it: computed tokens, then each sampled token
+and the stops a token decides (EOS, stop token ids, max_tokens, which admission keeps within the
+context length). `finish` is the one place a request ends, whatever ends it (a token stop, a
+stop string, an abort, a deadline, a stall, shutdown): its blocks are freed there, once. A
+request finished while its step runs keeps that finish; the step's token for it is dropped.
+"""
+
+from __future__ import annotations
+
+from collections import Counter, deque
+
+import attrs
+
+from loom.core.block_manager import BlockManager
+from loom.core.config import SchedulerConfig
+from loom.core.request import Request, RequestStatus
+from loom.core.request_output import FinishReason, Logprobs
+from loom.core.step import ModelRunnerOutput, SamplingInput, ScheduledSequence, SchedulerOutput
+
+
+@attrs.define
+class Scheduler:
+    config: SchedulerConfig
+    block_manager: BlockManager
+    requests: dict[str, Request] = attrs.field(factory=dict)  # unfinished: waiting or running
+    waiting: deque[Request] = attrs.field(factory=deque)
+    running: list[Request] = attrs.field(factory=list)
+    num_preemptions: int = 0
+    num_chunked_prefills: int = 0  # prompt chunks that left part of their prompt for later
+    num_prompt_tokens: int = 0  # of the requests added, all time
+    num_generated_tokens: int = 0  # sampled and kept, all time
+    finished: Counter[FinishReason] = attrs.field(factory=Counter)
+
+    def add_request(self, request: Request) -> None:
+        self.requests[request.request_id] = request
+        self.waiting.append(request)
+        self.num_prompt_tokens += request.num_prompt_tokens
+
+    def has_unfinished(self) -> bool:
+        return bool(self.requests)
+
+    def num_waiting_tokens(self) -> int:
+        return sum(r.num_prompt_tokens for r in self.waiting)
+
+    def schedule(self, now: float) -> SchedulerOutput | None:
+        budget = self.config.max_num_batched_tokens
+        chosen: list[tuple[Request, int]] = []
+        num_preemptions = self.num_preemptions
+        for request in list(self.running):
+            if budget == 0:
+                break
+            if request.paused or request.status is not RequestStatus.RUNNING:
+                continue  # paused, or preempted earlier in this loop
+            num_new = min(request.num_tokens - request.num_computed_tokens, budget)
+            if self.reserve(request, num_new, [r for r, _ in chosen]):
+                chosen.append((request, num_new))
+                budget -= num_new
+        if self.num_preemptions == num_preemptions:
+            self.admit_waiting(chosen, budget)
+        if not chosen:
+            return None
+        for request, _ in chosen:
+            if request.first_scheduled_time is None:
+                request.first_scheduled_time = now
+        return SchedulerOutput(sequences=tuple(self.scheduled(r, n) for r, n in chosen))
+
+    def reserve(self, request: Request, num_new: int, keep: list[Request]) -> bool:
+        """Blocks for `num_new` more tokens of a running request, preempting others if need be.
+
+        False when the request itself had to be preempted."""
+        while not self.block_manager.allocate(
+            request.request_id, request.num_computed_tokens + num_new
+        ):
+            victim = self.pick_victim(exclude=keep)
+            self.preempt(victim)
+            if victim is request:
+                return False
+        return True
+
+    def pick_victim(self, exclude: list[Request]) -> Request:
+        candidates = [r for r in self.running if r not in exclude]
+        paused = [r for r in candidates if r.paused]
+        return paused[0] if paused else candidates[-1]
+
+    def preempt(self, request: Request) -> None:
+        self.block_manager.free(request.request_id)
+        self.running.remove(request)
+        request.status = RequestStatus.PREEMPTED
+        request.num_computed_tokens = 0
+        request.num_preemptions += 1
+        self.num_preemptions += 1
+        self.waiting.appendleft(request)
+
+    def admit_waiting(self, chosen: list[tuple[Request, int]], budget: int) -> None:
+        for request in list(self.waiting):
+            if budget == 0 or len(self.running) >= self.config.max_num_seqs:
+                return
+            if request.paused:
+                continue  # preempted while its consumer was not reading: wait for a resume
+            if request.status is RequestStatus.PREEMPTED and not self.block_manager.can_allocate(
+                request.request_id, request.num_tokens + 1
+            ):
+                return
+            num_new = min(request.num_tokens, budget)
+            if not self.block_manager.allocate(request.request_id, num_new):
+                return
+            self.waiting.remove(request)
+            request.status = RequestStatus.RUNNING
+            self.running.append(request)
+            chosen.append((request, num_new))
+            budget -= num_new
+
+    def scheduled(self, request: Request, num_new: int) -> ScheduledSequence:
+        start = request.num_computed_tokens
+        end = start + num_new
+        samples = end == request.num_tokens
+        if not samples and end < request.num_prompt_tokens:
+            self.num_chunked_prefills += 1
+        return ScheduledSequence(
+            request_id=request.request_id,
+            token_ids=request.token_ids(start, end),
+            num_computed_tokens=start,
+            block_table=self.block_manager.block_table(request.request_id),
+            sampling=sampling_input(request) if samples else None,
+        )
+
+    def update(
+        self, output: SchedulerOutput, result: ModelRunnerOutput, now: float
+    ) -> list[tuple[Request, Logprobs | None]]:
+        """Apply a finished step. Returns the requests that received a token, with its logprobs;
+        those that the token stopped are finished already."""
+        for seq in output.sequences:
+            request = self.requests.get(seq.request_id)
+            if request is not None:  # else finished while the step ran
+                request.num_computed_tokens += len(seq.token_ids)
+        advanced = []
+        sampled = zip(result.request_ids, result.token_ids, result.logprobs, strict=True)
+        for request_id, token_id, logprobs in sampled:
+            request = self.requests.get(request_id)
+            if request is None:
+                continue
+            request.output_token_ids.append(token_id)
+            if request.first_token_time is None:
+                request.first_token_time = now
+            self.num_generated_tokens += 1
+            status = request.stop_status()
+            if status is not None:
+                self.finish(request, status)
+            advanced.append((request, logprobs))
+        return advanced
+
+    def finish(self, request: Request, status: RequestStatus, error: str | None = None) -> bool:
+        """End a request and free its blocks. Idempotent: False if it had already finished."""
+        reason = status.finish_reason
+        if reason is None:
+            raise ValueError(f"{status.name} is not a finish")
+        if request.finished:
+            return False
+        del self.requests[request.request_id]
+        if request.status is RequestStatus.RUNNING:
+            self.running.remove(request)
+        else:
+            self.waiting.remove(request)
+        request.status = status
+        request.error = error
+        self.block_manager.free(request.request_id)
+        self.finished[reason] += 1
+        return True
+
+    def pause(self, request: Request, now: float) -> None:
+        """Its consumer's buffer is full: skip it until `resume`, abort it after a stall."""
+        request.paused_since = now
+
+    def resume(self, request_id: str) -> bool:
+        """The consumer drained its buffer. False if the request was not paused (or is gone)."""
+        request = self.requests.get(request_id)
+        if request is None or not request.paused:
+            return False
+        request.paused_since = None
+        return True
+
+    def expired(self, now: float, stall_timeout: float) -> list[tuple[Request, RequestStatus, str]]:
+        """Requests whose deadline passed, or whose consumer stalled past the timeout: each with
+        how it ends and why."""
+        found = []
+        for request in self.requests.values():
+            if request.deadline is not None and now >= request.deadline:
+                where = "while queued" if request.first_scheduled_time is None else "mid-decode"
+                error = f"the deadline passed {where}"
+                found.append((request, RequestStatus.FINISHED_DEADLINE, error))
+            elif request.paused_since is not None and now - request.paused_since >= stall_timeout:
+                error = f"the client read nothing for stall_timeout={stall_timeout} s"
+                found.append((request, RequestStatus.FINISHED_STALLED, error))
+        return found
+
+    def next_timer(self, stall_timeout: float) -> float:
+        """The earliest deadline or stall expiry, or +inf."""
+        times = [r.deadline for r in self.requests.values() if r.deadline is not None]
+        times += [
+            r.paused_since + stall_timeout
+            for r in self.requests.values()
+            if r.paused_since is not None
+        ]
+        return min(times, default=float("inf"))
+
+
+def sampling_input(request: Request) -> SamplingInput:
+    return SamplingInput(
+        params=request.sampling,
+        prompt_token_ids=request.prompt_token_ids,
+        output_token_ids=tuple(request.output_token_ids),
+        eos_token_ids=request.eos_token_ids,
+    )

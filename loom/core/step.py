@@ -1,0 +1,50 @@
+"""One step's contract between the scheduler and the model runner, both ways, as frozen data.
+
+Into the worker thread goes a `SchedulerOutput`: for each scheduled sequence the tokens to
+compute, where its K/V live, and, when those tokens complete the request so far, what the
+sampler needs to pick its next token. Out comes a `ModelRunnerOutput`: one sampled token (and
+its logprobs, if asked) for each sequence that samples, in step order. No live request object
+crosses the thread; the scheduler applies the result (`Scheduler.update`).
+"""
+
+from __future__ import annotations
+
+import attrs
+
+from loom.core.request_output import Logprobs
+from loom.core.sampling_params import SamplingParams
+
+
+@attrs.frozen(kw_only=True)
+class SamplingInput:
+    """What the sampler needs of one request, copied out of it for this step."""
+
+    params: SamplingParams
+    prompt_token_ids: tuple[int, ...]  # repetition penalty
+    output_token_ids: tuple[int, ...]  # penalties, min_tokens, a seeded request's position
+    eos_token_ids: tuple[int, ...]  # banned until min_tokens (unless ignore_eos)
+
+
+@attrs.frozen(kw_only=True)
+class ScheduledSequence:
+    """One request's share of a step: `token_ids` to compute on top of its cached tokens."""
+
+    request_id: str
+    token_ids: tuple[int, ...]  # the new tokens (a prefill chunk, or one decode token)
+    num_computed_tokens: int  # tokens already in the KV pool, before `token_ids`
+    block_table: tuple[int, ...]  # blocks covering num_computed_tokens + len(token_ids)
+    sampling: SamplingInput | None = None  # None: a prompt chunk with more to come samples nothing
+
+
+@attrs.frozen(kw_only=True)
+class SchedulerOutput:
+    sequences: tuple[ScheduledSequence, ...]
+
+
+@attrs.frozen(kw_only=True)
+class ModelRunnerOutput:
+    """One token for each sequence of the step that samples, in the step's order."""
+
+    request_ids: tuple[str, ...]
+    token_ids: tuple[int, ...]
+    logprobs: tuple[Logprobs | None, ...]

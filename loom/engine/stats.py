@@ -1,0 +1,59 @@
+"""What the engine tells about itself (the server's GetServerStats and GetModelInfo)."""
+
+from __future__ import annotations
+
+import attrs
+
+from loom.core.scheduler import Scheduler
+from loom.model.model_runner import ModelRunner
+
+
+@attrs.frozen(kw_only=True)
+class EngineStats:
+    num_running: int  # scheduled and not paused
+    num_waiting: int  # queued, or still being tokenised
+    num_paused: int  # their consumer's buffer is full
+    num_total_blocks: int
+    num_free_blocks: int
+    num_preemptions: int
+    num_chunked_prefills: int
+    num_prompt_tokens: int  # admitted prompt tokens, all time
+    num_generated_tokens: int  # sampled tokens, all time
+    finished: dict[str, int]  # finished requests by finish reason
+
+    @classmethod
+    def of(cls, scheduler: Scheduler, *, num_admitting: int) -> EngineStats:
+        requests = scheduler.requests.values()
+        return cls(
+            num_running=sum(not r.paused for r in scheduler.running),
+            num_waiting=len(scheduler.waiting) + num_admitting,
+            num_paused=sum(r.paused for r in requests),
+            num_total_blocks=scheduler.block_manager.num_total_blocks,
+            num_free_blocks=scheduler.block_manager.num_free_blocks,
+            num_preemptions=scheduler.num_preemptions,
+            num_chunked_prefills=scheduler.num_chunked_prefills,
+            num_prompt_tokens=scheduler.num_prompt_tokens,
+            num_generated_tokens=scheduler.num_generated_tokens,
+            finished={reason.value: n for reason, n in scheduler.finished.items()},
+        )
+
+
+@attrs.frozen(kw_only=True)
+class ModelInfo:
+    model: str
+    max_model_len: int
+    vocab_size: int
+    dtype: str
+    device: str
+    block_size: int
+
+    @classmethod
+    def of(cls, model: str, runner: ModelRunner, max_model_len: int) -> ModelInfo:
+        return cls(
+            model=model,
+            max_model_len=max_model_len,
+            vocab_size=runner.vocab_size,
+            dtype=str(runner.kv_cache_shape.dtype).removeprefix("torch."),
+            device=str(runner.device),
+            block_size=runner.block_size,
+        )

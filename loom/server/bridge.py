@@ -1,0 +1,101 @@
+"""Calls from the gRPC server's asyncio thread into the trio thread, and wake-ups back.
+
+grpclib runs only on asyncio, so it has its own loop in its own thread; the engine lives in
+trio's. Each direction has one primitive: `call` runs a sync function in the trio thread and
+awaits its result (or exception) on asyncio; `waker` makes a callback that the trio thread may
+call as often as it likes and that sets an asyncio.Event at most once per loop iteration. A
+`Count` kept in the asyncio thread (streams in flight, open connections) tells the trio thread
+when it falls to zero.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+from collections.abc import Callable
+from typing import Any, TypeVar
+
+import trio
+
+from loom.core.errors import EngineDeadError
+
+T = TypeVar("T")
+
+
+class TrioBridge:
+    def __init__(
+        self, trio_token: trio.lowlevel.TrioToken, loop: asyncio.AbstractEventLoop
+    ) -> None:
+        self.trio_token = trio_token
+        self.loop = loop
+
+    async def call(self, fn: Callable[..., T], *args: Any) -> T:
+        """Run `fn(*args)` in the trio thread; its result or exception comes back here."""
+        future: asyncio.Future[T] = self.loop.create_future()
+
+        def settle(result: T | None, error: BaseException | None) -> None:
+            if future.done():
+                return  # the awaiting handler was cancelled meanwhile
+            if error is not None:
+                future.set_exception(error)
+            else:
+                future.set_result(result)  # type: ignore[arg-type]
+
+        def run() -> None:
+            try:
+                result = fn(*args)
+            except Exception as exc:
+                self.loop.call_soon_threadsafe(settle, None, exc)
+            else:
+                self.loop.call_soon_threadsafe(settle, result, None)
+
+        self.call_soon(run)
+        return await future
+
+    def call_soon(self, fn: Callable[[], object]) -> None:
+        """Fire and forget, in the trio thread."""
+        try:
+            self.trio_token.run_sync_soon(fn)
+        except trio.RunFinishedError:
+            raise EngineDeadError("the engine has stopped") from None
+
+    def waker(self, event: asyncio.Event) -> Callable[[], None]:
+        """A thread-safe, coalescing `event.set` for the trio thread to call."""
+        pending = False
+
+        def fire() -> None:
+            nonlocal pending
+            pending = False
+            event.set()
+
+        def wake() -> None:
+            nonlocal pending
+            if not pending:
+                pending = True
+                # RuntimeError: the loop has closed, so nobody is waiting any more.
+                with contextlib.suppress(RuntimeError):
+                    self.loop.call_soon_threadsafe(fire)
+
+        return wake
+
+
+class Count:
+    """A number kept in the asyncio thread, with callbacks for when it is zero: how the trio
+    thread waits on it without polling (its callback schedules a trio `Event.set`)."""
+
+    def __init__(self) -> None:
+        self.value = 0
+        self.on_zero: list[Callable[[], object]] = []
+
+    def add(self, delta: int) -> None:
+        self.value += delta
+        if self.value == 0:
+            callbacks, self.on_zero = self.on_zero, []
+            for callback in callbacks:
+                callback()
+
+    def when_zero(self, callback: Callable[[], object]) -> None:
+        if self.value == 0:
+            callback()
+        else:
+            self.on_zero.append(callback)

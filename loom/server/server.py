@@ -1,0 +1,121 @@
+"""The serving process: the gRPC server, the engine and the signal watcher under one nursery.
+
+    trio.run ── root nursery ─┬─ GrpcServer.run   (asyncio thread: grpclib, health, reflection)
+                              ├─ run_engine       (Engine.run: admission task, stepping loop)
+                              └─ watch_signals    (SIGTERM/SIGINT → drain; a second → exit now)
+
+The port is bound first, with health NOT_SERVING while the model loads. Drain: new calls get
+UNAVAILABLE and health turns NOT_SERVING (probes still get that answer), the engine finishes
+what it admitted (cut short after `drain_timeout`: the rest end UNAVAILABLE), the handlers
+flush their last messages, the port stops listening, and the clients close their connections
+(a client that has not yet read what was sent to it would lose it if the connection dropped),
+all within `drain_timeout` of the signal; then everything closes and the process exits 0. An
+engine crash fails every live stream with UNAVAILABLE and the process exits non-zero.
+"""
+
+from __future__ import annotations
+
+import logging
+import signal
+
+import attrs
+import trio
+
+from loom.core.setting import above, in_range, setting
+from loom.engine.engine import Engine
+from loom.server.grpc_server import GrpcServer
+
+log = logging.getLogger(__name__)
+
+
+@attrs.frozen(kw_only=True)
+class ServerConfig:
+    host: str = setting("127.0.0.1", "address to listen on")
+    port: int = setting(50051, "port to listen on; 0 picks a free one", check=in_range(0, 65535))
+    drain_timeout: float = setting(
+        30.0, "seconds in-flight requests get to finish on SIGTERM", check=above(0)
+    )
+    log_level: str = setting(
+        "info", "how much to log", choices=("debug", "info", "warning", "error")
+    )
+
+
+class LoomServer:
+    def __init__(self, engine: Engine, config: ServerConfig) -> None:
+        self.engine = engine
+        self.config = config
+        self.grpc = GrpcServer(
+            engine, host=config.host, port=config.port, send_timeout=engine.config.stall_timeout
+        )
+        self.engine_scope = trio.CancelScope()
+        self.listening = trio.Event()  # `port` is bound (the model may still be loading)
+        self.port: int | None = None
+        self.engine_done = trio.Event()
+        self.draining = False
+        self.drain_deadline: float | None = None
+        self.exit_code = 0
+
+    async def run(self, *, task_status: trio.TaskStatus[int] = trio.TASK_STATUS_IGNORED) -> None:
+        async with trio.open_nursery() as nursery:
+            self.port = port = await nursery.start(self.grpc.run)
+            self.listening.set()
+            log.info("listening on %s:%d; loading the model", self.config.host, port)
+            nursery.start_soon(self.watch_signals, nursery)
+            await nursery.start(self.run_engine)
+            log.info("serving on %s:%d", self.config.host, port)
+            task_status.started(port)
+            await self.engine_done.wait()
+            with trio.move_on_at(self.drain_deadline or trio.current_time() + 5.0):
+                await self.grpc.streams_done()
+                if self.draining:
+                    self.grpc.stop_listening()
+                    if self.grpc.num_connections:
+                        log.info("waiting for %d connections to close", self.grpc.num_connections)
+                    await self.grpc.connections_closed()
+            nursery.cancel_scope.cancel()
+
+    async def run_engine(
+        self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED
+    ) -> None:
+        try:
+            with self.engine_scope:
+                async with trio.open_nursery() as nursery:
+                    await nursery.start(self.engine.run)
+                    self.grpc.set_serving(True)
+                    task_status.started()
+        except Exception:
+            self.grpc.set_serving(False)
+            # Let the handlers send UNAVAILABLE before the port closes.
+            with trio.CancelScope(shield=True), trio.move_on_after(5.0):
+                await self.grpc.streams_done()
+            raise
+        finally:
+            self.grpc.set_serving(False)
+            self.engine_done.set()
+
+    async def watch_signals(self, nursery: trio.Nursery) -> None:
+        with trio.open_signal_receiver(signal.SIGTERM, signal.SIGINT) as signals:
+            async for signum in signals:
+                if not self.draining:
+                    log.info(
+                        "%s: draining (at most %.0f s)",
+                        signal.Signals(signum).name,
+                        self.config.drain_timeout,
+                    )
+                    self.draining = True
+                    nursery.start_soon(self.drain)
+                else:
+                    log.warning("%s again: exiting now", signal.Signals(signum).name)
+                    self.exit_code = 1
+                    nursery.cancel_scope.cancel()
+                    return
+
+    async def drain(self) -> None:
+        self.drain_deadline = trio.current_time() + self.config.drain_timeout
+        self.grpc.begin_drain()
+        self.engine.drain()
+        with trio.move_on_at(self.drain_deadline):
+            await self.engine_done.wait()
+            return
+        log.warning("drain timeout: ending the requests still running")
+        self.engine_scope.cancel()

@@ -1,0 +1,181 @@
+"""The loom.v1 gRPC handlers, in the server's asyncio thread; the engine is reached by the bridge.
+
+Each Generate call submits one request and relays its outputs: what has piled up since the last
+send goes out as one Delta, the end as a Final message or a status (DESIGN.md §6). The handler
+never holds the engine up: the engine pushes into the request's bounded buffer and this side
+drains it. If the engine ends a request (stalled client, deadline, crash) while the handler is
+blocked sending to a client that stopped reading, the send is cancelled and the stream reset
+(RST_STREAM): trailers after a half-sent message would break the client.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import uuid
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
+
+import trio
+from grpclib import GRPCError, Status
+from grpclib.server import Stream
+
+from loom.core.errors import EngineDeadError, EngineOverloadedError, InvalidRequestError
+from loom.core.prompt import Prompt
+from loom.core.request_output import FinishReason, RequestOutput
+from loom.core.sampling_params import SamplingParams
+from loom.engine.engine import Engine
+from loom.engine.request_stream import RequestStream
+from loom.server import wire
+from loom.server.bridge import Count, TrioBridge
+from loom.v1 import loom_pb2 as pb
+from loom.v1.loom_grpc import LoomBase
+
+log = logging.getLogger(__name__)
+
+ABNORMAL_STATUS = {
+    FinishReason.DEADLINE: Status.DEADLINE_EXCEEDED,
+    FinishReason.STALLED: Status.RESOURCE_EXHAUSTED,
+    FinishReason.ERROR: Status.UNAVAILABLE,
+    FinishReason.ABORTED: Status.CANCELLED,
+}
+GenerateStream = Stream[pb.GenerateRequest, pb.GenerateResponse]
+
+
+class ClientGoneError(Exception):
+    """The client stopped reading; its stream was reset."""
+
+
+@contextmanager
+def status_errors() -> Iterator[None]:
+    """Engine errors as gRPC statuses; anything else is a bug: INTERNAL."""
+    try:
+        yield
+    except InvalidRequestError as exc:
+        raise GRPCError(Status.INVALID_ARGUMENT, str(exc)) from exc
+    except EngineOverloadedError as exc:
+        raise GRPCError(Status.RESOURCE_EXHAUSTED, str(exc)) from exc
+    except EngineDeadError as exc:
+        raise GRPCError(Status.UNAVAILABLE, str(exc)) from exc
+    except (GRPCError, ClientGoneError, asyncio.CancelledError):
+        raise
+    except Exception as exc:
+        log.exception("internal error")
+        raise GRPCError(Status.INTERNAL, f"internal error: {exc!r}") from exc
+
+
+class LoomServicer(LoomBase):
+    def __init__(self, engine: Engine, bridge: TrioBridge, send_timeout: float) -> None:
+        self.engine = engine
+        self.bridge = bridge
+        self.send_timeout = send_timeout  # how long a finished request waits on a slow client
+        self.draining = False
+        self.num_in_flight = Count()  # Generate handlers running
+
+    async def Generate(self, stream: GenerateStream) -> None:
+        request = await stream.recv_message()
+        if request is None:
+            raise GRPCError(Status.INVALID_ARGUMENT, "no request message")
+        if self.draining:
+            raise GRPCError(Status.UNAVAILABLE, "the server is draining")
+        # The client's id is a label, echoed back and logged; the engine keys requests by its own.
+        request_id = request.request_id or uuid.uuid4().hex
+        self.num_in_flight.add(1)
+        try:
+            with status_errors():
+                prompt = wire.prompt_from(request)
+                sampling = wire.sampling_from(request.sampling)
+                timeout = stream.deadline.time_remaining() if stream.deadline else None
+                outputs = await self.bridge.call(self.submit_until, prompt, sampling, timeout)
+                try:
+                    await self.relay(stream, outputs, request_id)
+                finally:
+                    outputs.abort()  # a no-op for a request that finished
+        except ClientGoneError:
+            log.info("request %s: client stopped reading; stream reset", request_id)
+        finally:
+            self.num_in_flight.add(-1)
+
+    def submit_until(
+        self, prompt: Prompt, sampling: SamplingParams, timeout: float | None
+    ) -> RequestStream:
+        """In the trio thread: submit, the client's gRPC deadline becoming the request's."""
+        deadline = None if timeout is None else trio.current_time() + timeout
+        return self.engine.submit(prompt, sampling, deadline=deadline)
+
+    async def relay(self, stream: GenerateStream, outputs: RequestStream, request_id: str) -> None:
+        event = asyncio.Event()
+        outputs.wake = self.bridge.waker(event)
+        while True:
+            batch = outputs.take()
+            if not batch:
+                await event.wait()
+                event.clear()
+            elif batch[-1].finished:
+                await self.send_final(stream, outputs, event, batch, request_id)
+                return
+            else:
+                message = pb.GenerateResponse(delta=wire.delta_from(batch))
+                await self.send(stream, outputs, event, message)
+
+    async def send_final(
+        self,
+        stream: GenerateStream,
+        outputs: RequestStream,
+        event: asyncio.Event,
+        batch: Sequence[RequestOutput],
+        request_id: str,
+    ) -> None:
+        last = batch[-1]
+        if last.finish_reason in wire.FINISH_REASONS:
+            final = wire.final_from(batch, request_id)
+            await self.send(stream, outputs, event, pb.GenerateResponse(final=final))
+            return
+        if len(batch) > 1 or last.token_ids:
+            message = pb.GenerateResponse(delta=wire.delta_from(batch))
+            await self.send(stream, outputs, event, message)
+        status = ABNORMAL_STATUS[last.finish_reason]  # type: ignore[index]
+        raise GRPCError(status, last.error or str(last.finish_reason))
+
+    async def send(
+        self,
+        stream: GenerateStream,
+        outputs: RequestStream,
+        event: asyncio.Event,
+        message: pb.GenerateResponse,
+    ) -> None:
+        """Send one message; give up on a client that blocks it after its request has ended."""
+        sending = asyncio.ensure_future(stream.send_message(message))
+        try:
+            while not sending.done():
+                waiter = asyncio.ensure_future(event.wait())
+                await asyncio.wait({sending, waiter}, return_when=asyncio.FIRST_COMPLETED)
+                waiter.cancel()
+                if sending.done() or not outputs.closed:
+                    event.clear()  # new outputs stay buffered until this send is done
+                    continue
+                patience = (
+                    0.0 if outputs.final_reason() is FinishReason.STALLED else self.send_timeout
+                )
+                done, _ = await asyncio.wait({sending}, timeout=patience)
+                if not done:
+                    sending.cancel()
+                    await stream.cancel()  # RST_STREAM
+                    raise ClientGoneError
+            sending.result()
+        finally:
+            sending.cancel()
+
+    async def GetModelInfo(self, stream: Stream[pb.GetModelInfoRequest, pb.ModelInfo]) -> None:
+        await stream.recv_message()
+        with status_errors():
+            info = await self.bridge.call(self.engine.model_info)
+        await stream.send_message(wire.model_info_message(info))
+
+    async def GetServerStats(
+        self, stream: Stream[pb.GetServerStatsRequest, pb.ServerStats]
+    ) -> None:
+        await stream.recv_message()
+        with status_errors():
+            stats = await self.bridge.call(self.engine.stats)
+        await stream.send_message(wire.stats_message(stats))

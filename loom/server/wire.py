@@ -1,0 +1,105 @@
+"""Conversions between the loom.v1 protobuf messages and the engine's types.
+
+EngineStats and ModelInfo name their fields as ServerStats and ModelInfo do, so they convert
+by name."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import attrs
+
+from loom.core.errors import InvalidRequestError
+from loom.core.prompt import ChatMessage, Prompt
+from loom.core.request_output import FinishReason, Logprobs, RequestOutput
+from loom.core.sampling_params import SamplingParams
+from loom.engine.stats import EngineStats, ModelInfo
+from loom.v1 import loom_pb2 as pb
+
+FINISH_REASONS = {
+    FinishReason.STOP: pb.FINISH_REASON_STOP,
+    FinishReason.LENGTH: pb.FINISH_REASON_LENGTH,
+    FinishReason.STOP_SEQUENCE: pb.FINISH_REASON_STOP_SEQUENCE,
+}
+OPTIONAL_SAMPLING_FIELDS = (
+    "temperature",
+    "top_p",
+    "top_k",
+    "min_p",
+    "repetition_penalty",
+    "presence_penalty",
+    "frequency_penalty",
+    "seed",
+    "max_tokens",
+    "logprobs",
+)
+
+
+def prompt_from(request: pb.GenerateRequest) -> Prompt:
+    kind = request.WhichOneof("prompt")
+    if kind == "text":
+        return request.text
+    if kind == "messages":
+        return [ChatMessage(role=m.role, content=m.content) for m in request.messages.messages]
+    if kind == "token_ids":
+        return list(request.token_ids.ids)
+    raise InvalidRequestError("prompt is required: set text, messages or token_ids")
+
+
+def sampling_from(message: pb.SamplingParams) -> SamplingParams:
+    """Unset optional fields keep the engine's defaults; validation names the field."""
+    given = {f: getattr(message, f) for f in OPTIONAL_SAMPLING_FIELDS if message.HasField(f)}
+    return SamplingParams(
+        **given,
+        min_tokens=message.min_tokens,
+        stop=tuple(message.stop),
+        stop_token_ids=tuple(message.stop_token_ids),
+        ignore_eos=message.ignore_eos,
+    )
+
+
+def delta_from(outputs: Sequence[RequestOutput]) -> pb.Delta:
+    """One Delta for several outputs in a row (a slow reader gets them merged)."""
+    return pb.Delta(
+        token_ids=[t for o in outputs for t in o.token_ids],
+        text="".join(o.text for o in outputs),
+        logprobs=[logprobs_message(lp) for o in outputs for lp in o.logprobs],
+    )
+
+
+def logprobs_message(logprobs: Logprobs) -> pb.Logprobs:
+    return pb.Logprobs(
+        chosen=pb.TokenLogprob(token_id=logprobs.chosen.token_id, logprob=logprobs.chosen.logprob),
+        top=[pb.TokenLogprob(token_id=t.token_id, logprob=t.logprob) for t in logprobs.top],
+    )
+
+
+def final_from(outputs: Sequence[RequestOutput], request_id: str) -> pb.Final:
+    """The Final message for a normal finish; `outputs[-1]` is the finished one. `request_id`
+    is the client's (or the one the server made for it), not the engine's."""
+    last = outputs[-1]
+    if last.finish_reason not in FINISH_REASONS or last.usage is None or last.timings is None:
+        raise ValueError(f"not a normal finish: {last.finish_reason}")
+    return pb.Final(
+        request_id=request_id,
+        delta=delta_from(outputs),
+        finish_reason=FINISH_REASONS[last.finish_reason],
+        usage=pb.Usage(
+            prompt_tokens=last.usage.prompt_tokens,
+            completion_tokens=last.usage.completion_tokens,
+            cached_tokens=last.usage.cached_tokens,
+        ),
+        timings=pb.Timings(
+            queue_ms=last.timings.queue_ms,
+            ttft_ms=last.timings.ttft_ms or 0.0,
+            e2e_ms=last.timings.e2e_ms,
+        ),
+    )
+
+
+def stats_message(stats: EngineStats) -> pb.ServerStats:
+    return pb.ServerStats(**attrs.asdict(stats))
+
+
+def model_info_message(info: ModelInfo) -> pb.ModelInfo:
+    return pb.ModelInfo(**attrs.asdict(info))

@@ -1,0 +1,101 @@
+"""`loom bench`: its figures on hand-made timings, and one real run against a launched server."""
+
+from __future__ import annotations
+
+import json
+import math
+import socket
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from loom.bench.metrics import Objectives, RequestTiming, percentile, summarize
+from loom.bench.serving import make_workload
+from loom.cli import main
+
+
+def test_bench_percentile_interpolates_between_ranks() -> None:
+    values = [4.0, 1.0, 3.0, 2.0]
+    assert percentile(values, 50) == 2.5
+    assert percentile(values, 0) == 1.0
+    assert percentile(values, 100) == 4.0
+    assert math.isclose(percentile(values, 90), 3.7)
+    assert math.isnan(percentile([], 50))
+
+
+def test_bench_summary_figures_follow_their_definitions() -> None:
+    fast = RequestTiming(ok=True, num_prompt_tokens=4, token_times=(0.1, 0.2, 0.2, 0.5))
+    slow = RequestTiming(ok=True, num_prompt_tokens=4, token_times=(1.0, 2.0))
+    failed = RequestTiming(ok=False, num_prompt_tokens=4, token_times=(), error="boom")
+    summary = summarize([fast, slow, failed], duration=2.0, objectives=Objectives(ttft_ms=500))
+    assert (summary["completed"], summary["failed"], summary["output_tokens"]) == (2, 1, 6)
+    assert summary["output_throughput"] == 3.0
+    assert summary["request_throughput"] == 1.0
+    assert summary["goodput"] == 0.5  # only the fast request met TTFT <= 500 ms
+    ttft: Any = summary["ttft_ms"]
+    assert math.isclose(ttft["mean"], 550.0)
+    tpot: Any = summary["tpot_ms"]
+    assert math.isclose(tpot["p50"], (400 / 3 + 1000) / 2)  # (e2e - ttft) / (n - 1)
+    itl: Any = summary["itl_ms"]
+    assert math.isclose(itl["p50"], 200.0)  # gaps 0, 100, 300, 1000
+    assert summary["errors"] == ["boom"]
+
+
+def test_bench_workload_prompts_have_the_exact_length_and_differ(smollm2_tokenizer: Any) -> None:
+    workload = make_workload(smollm2_tokenizer, 8, 128, 16, seed=3)
+    assert {len(p) for p in workload.prompts} == {128}
+    assert len(set(workload.prompts)) == 8
+    assert make_workload(smollm2_tokenizer, 8, 128, 16, seed=3) == workload
+
+
+def test_bench_runs_against_a_launched_server_with_the_baseline(
+    tiny_folder: Path, tmp_path: Path
+) -> None:
+    out = tmp_path / "bench.json"
+    command = [sys.executable, "-m", "loom", "bench", "--model", str(tiny_folder)]
+    command += ["--concurrency", "1,3", "--num-prompts", "4", "--input-len", "16"]
+    command += ["--output-len", "8", "--baseline", "--goodput", "ttft=60000", "--json", str(out)]
+    result = subprocess.run(command, capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0, result.stderr[-2000:]
+    assert "output tok/s" in result.stdout
+    assert "ratio" in result.stdout
+    runs = json.loads(out.read_text())["runs"]
+    assert [r["concurrency"] for r in runs] == [1, 3]
+    for run in runs:
+        for side in ("loom", "baseline"):
+            assert run[side]["completed"] == 4
+            assert run[side]["output_tokens"] == 32
+            assert run[side]["goodput"] > 0
+        assert run["loom"]["server"]["num_total_blocks"] > 0
+
+
+@pytest.mark.parametrize(
+    ("flags", "message"),
+    [
+        (["--concurrency", "1,x"], "--concurrency takes whole numbers separated by commas"),
+        (["--concurrency", "8,0"], "--concurrency must be at least 1, got 0"),
+        (["--num-prompts", "0"], "--num-prompts must be at least 1, got 0"),
+        (["--output-len", "0"], "--output-len must be at least 1, got 0"),
+        (["--request-rate", "0"], "--request-rate must be above 0"),
+        (["--goodput", "ttfb=100"], "--goodput takes ttft, tpot and e2e, not ttfb"),
+    ],
+)
+def test_bench_refuses_bad_flags_by_name(flags: list[str], message: str) -> None:
+    with pytest.raises(SystemExit) as exit_info:
+        main(["bench", "--address", "127.0.0.1:1", *flags])
+    assert message in str(exit_info.value.code)
+
+
+def test_bench_says_when_no_server_answers(tiny_folder: Path) -> None:
+    with socket.socket() as probe:  # a port nothing listens on
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    command = [sys.executable, "-m", "loom", "bench", "--model", str(tiny_folder)]
+    command += ["--address", f"127.0.0.1:{port}", "--concurrency", "1", "--input-len", "8"]
+    result = subprocess.run(command, capture_output=True, text=True, timeout=120)
+    assert result.returncode == 2
+    assert f"no server answers at 127.0.0.1:{port}" in result.stderr
+    assert "Traceback" not in result.stderr

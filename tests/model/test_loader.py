@@ -1,0 +1,105 @@
+"""Model loading: a saved folder, GGUF conversion into the cache, and the default model."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+from loom.model.loader import (
+    ModelConfig,
+    converted_gguf_folder,
+    default_model_path,
+    load_model,
+    model_cache_root,
+    model_name,
+)
+from tests.conftest import tiny_model
+
+CPU = torch.device("cpu")
+
+
+def test_loader_loads_a_hugging_face_folder_in_the_asked_dtype(tmp_path: Path) -> None:
+    tiny = tiny_model("qwen2")
+    tiny.model.save_pretrained(tmp_path / "tiny-qwen2")
+    loaded = load_model(str(tmp_path / "tiny-qwen2"), dtype=torch.bfloat16, device=CPU)
+    assert loaded.name == "tiny-qwen2"
+    assert loaded.model.config.model_type == "qwen2"
+    assert next(loaded.model.parameters()).dtype == torch.bfloat16
+    original = tiny.model.state_dict()["model.layers.0.self_attn.q_proj.weight"]
+    reloaded = loaded.model.state_dict()["model.layers.0.self_attn.q_proj.weight"]
+    assert torch.equal(original.bfloat16(), reloaded)
+
+
+def test_loader_model_config_loads_its_folder_on_the_cpu_in_float32(
+    tiny_folder: Path, smollm2_tokenizer: Any
+) -> None:
+    loaded = ModelConfig(model=str(tiny_folder), device="cpu").load()
+    assert (loaded.name, loaded.dtype, loaded.device) == (tiny_folder.name, torch.float32, CPU)
+    # The tiny config names no EOS: the tokenizer's is taken.
+    assert loaded.eos_token_ids == (smollm2_tokenizer.eos_token_id,)
+
+
+@pytest.mark.parametrize(
+    ("settings", "message"),
+    [
+        ({"dtype": "int3"}, "dtype must be one of auto, float32"),
+        ({"dtype": "float16", "device": "cpu"}, "float16 is supported on cuda only"),
+        ({"device": "tpu"}, "device must be auto, cpu or cuda"),
+    ],
+)
+def test_loader_model_config_refuses_bad_names_when_made(
+    settings: dict[str, str], message: str
+) -> None:
+    with pytest.raises(ValueError, match=message):
+        ModelConfig(**settings)
+
+
+def test_loader_cache_root_prefers_flag_then_env_then_xdg(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    monkeypatch.setenv("LOOM_CACHE_DIR", str(tmp_path / "env"))
+    assert model_cache_root(tmp_path / "flag") == tmp_path / "flag"
+    assert model_cache_root() == tmp_path / "env"
+    monkeypatch.delenv("LOOM_CACHE_DIR")
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "xdg"))
+    assert model_cache_root() == tmp_path / "xdg" / "loom"
+
+
+def test_loader_rejects_a_missing_gguf_file(tmp_path: Path) -> None:
+    with pytest.raises(FileNotFoundError, match="GGUF file not found"):
+        converted_gguf_folder(tmp_path / "absent.gguf", tmp_path)
+
+
+def test_loader_default_model_is_the_smollm2_gguf_of_the_wheel() -> None:
+    path = default_model_path()
+    assert path.name == "SmolLM2-135M-Instruct.Q4_1.gguf"
+    assert path.is_file()
+    assert model_name(None) == "SmolLM2-135M-Instruct"
+
+
+@pytest.mark.smollm2
+def test_loader_converts_gguf_once_then_loads_from_the_cache(tmp_path: Path) -> None:
+    first = load_model(None, dtype=torch.float32, device=CPU, cache_dir=tmp_path)
+    (folder,) = (tmp_path / "models").iterdir()
+    assert (folder / "model.safetensors").is_file()
+    assert (folder / "tokenizer.json").is_file()
+    stamp = (folder / "model.safetensors").stat().st_mtime_ns
+    second = load_model(None, dtype=torch.float32, device=CPU, cache_dir=tmp_path)
+    assert (folder / "model.safetensors").stat().st_mtime_ns == stamp  # not converted again
+    assert [p.name for p in (tmp_path / "models").iterdir()] == [folder.name]  # no leftovers
+    assert first.model.config.num_hidden_layers == second.model.config.num_hidden_layers == 30
+    for name, tensor in first.model.state_dict().items():
+        assert torch.equal(tensor, second.model.state_dict()[name]), name
+
+
+@pytest.mark.smollm2
+def test_loader_tokenizer_has_a_chat_template(smollm2: object) -> None:
+    tokenizer = smollm2.tokenizer  # type: ignore[attr-defined]
+    text = tokenizer.apply_chat_template(
+        [{"role": "user", "content": "Hi"}], add_generation_prompt=True, tokenize=False
+    )
+    assert "Hi" in text
+    assert text.rstrip().endswith("assistant")

@@ -1,0 +1,138 @@
+"""Batched sampling on hand-made logits."""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from loom.core.sampling_params import SamplingParams
+from loom.core.step import SamplingInput
+from loom.model.sampler import Sampler
+
+CPU = torch.device("cpu")
+VOCAB = 6
+
+
+def row(
+    params: SamplingParams, output: tuple[int, ...] = (), eos: tuple[int, ...] = ()
+) -> SamplingInput:
+    """A request with prompt tokens 1, 2, 3."""
+    return SamplingInput(
+        params=params, prompt_token_ids=(1, 2, 3), output_token_ids=output, eos_token_ids=eos
+    )
+
+
+def requests_with(*params: SamplingParams) -> list[SamplingInput]:
+    return [row(p) for p in params]
+
+
+def logits_rows(*rows: list[float]) -> torch.Tensor:
+    return torch.tensor(rows, dtype=torch.float32)
+
+
+BASE = [0.0, 3.0, 2.5, 1.0, -1.0, 0.5]  # argmax: token 1
+
+
+def test_sampler_greedy_and_degenerate_cuts_take_the_argmax() -> None:
+    sampler = Sampler(VOCAB, CPU)
+    params = [
+        SamplingParams(temperature=0),
+        SamplingParams(temperature=1.0, top_k=1),
+        SamplingParams(temperature=1.0, top_p=1e-6),
+        SamplingParams(temperature=1.0, min_p=1.0),
+    ]
+    torch.manual_seed(0)
+    for _ in range(20):
+        out = sampler.sample(logits_rows(*[BASE] * 4), requests_with(*params))
+        assert out.token_ids == [1, 1, 1, 1]
+
+
+def test_sampler_top_k_and_top_p_keep_only_their_tokens() -> None:
+    sampler = Sampler(VOCAB, CPU)
+    torch.manual_seed(0)
+    rows = 400
+    top_k = sampler.sample(
+        logits_rows(*[BASE] * rows), requests_with(*[SamplingParams(top_k=2)] * rows)
+    )
+    assert set(top_k.token_ids) == {1, 2}
+    # softmax(BASE): tokens 1 and 2 hold ~0.79 of the mass; top_p 0.7 needs both, not token 3.
+    top_p = sampler.sample(
+        logits_rows(*[BASE] * rows), requests_with(*[SamplingParams(top_p=0.7)] * rows)
+    )
+    assert set(top_p.token_ids) == {1, 2}
+
+
+def test_sampler_temperature_sampling_follows_the_distribution() -> None:
+    sampler = Sampler(3, CPU)
+    torch.manual_seed(1)
+    probs = [0.5, 0.3, 0.2]
+    rows = 4000
+    logits = torch.log(torch.tensor([probs] * rows))
+    out = sampler.sample(logits, requests_with(*[SamplingParams(temperature=1.0)] * rows))
+    counts = torch.bincount(torch.tensor(out.token_ids), minlength=3) / rows
+    assert torch.allclose(counts, torch.tensor(probs), atol=0.03)
+
+
+def test_sampler_seed_gives_the_same_tokens_whatever_the_batch_mates() -> None:
+    sampler = Sampler(VOCAB, CPU)
+    flat = [0.0] * VOCAB  # uniform: every token equally likely, so only the seed decides
+
+    def draw(with_mates: bool) -> list[int]:
+        tokens: list[int] = []
+        for i in range(30):
+            seeded = row(SamplingParams(seed=42), output=tuple(tokens))
+            batch = [seeded]
+            if with_mates:
+                batch = [*requests_with(*[SamplingParams(seed=i)] * (i % 3)), seeded]
+                batch += requests_with(SamplingParams(temperature=0.7))
+            out = sampler.sample(logits_rows(*[flat] * len(batch)), batch)
+            tokens.append(out.token_ids[batch.index(seeded)])
+        return tokens
+
+    alone = draw(with_mates=False)
+    assert draw(with_mates=True) == alone
+    assert len(set(alone)) > 1  # it did sample
+
+
+def test_sampler_penalties_push_down_seen_tokens() -> None:
+    sampler = Sampler(VOCAB, CPU)
+    # Prompt tokens are 1, 2, 3 (`row`). Repetition penalty 2: 3.0 -> 1.5, 2.5 -> 1.25.
+    [repetition] = requests_with(SamplingParams(temperature=0, repetition_penalty=2.0))
+    assert sampler.sample(logits_rows(BASE), [repetition]).token_ids == [1]  # 1.5 still the max
+    [strong] = requests_with(SamplingParams(temperature=0, repetition_penalty=2.0))
+    logits = [0.0, 3.0, 2.5, 1.0, -1.0, 2.0]
+    assert sampler.sample(logits_rows(logits), [strong]).token_ids == [5]  # 2.0 beats 1.5
+    frequency = row(SamplingParams(temperature=0, frequency_penalty=1.0), output=(1, 1))
+    assert sampler.sample(logits_rows(BASE), [frequency]).token_ids == [2]  # 3 - 2 * 1 < 2.5
+    presence = row(SamplingParams(temperature=0, presence_penalty=0.6), output=(1, 1, 1))
+    assert sampler.sample(logits_rows(BASE), [presence]).token_ids == [2]  # 3 - 0.6 < 2.5
+
+
+def test_sampler_min_tokens_forbids_eos_and_stop_ids_until_reached() -> None:
+    sampler = Sampler(VOCAB, CPU)
+    params = SamplingParams(temperature=0, min_tokens=2, stop_token_ids=(2,))
+    assert sampler.sample(logits_rows(BASE), [row(params, eos=(1,))]).token_ids == [3]
+    reached = row(params, output=(0, 0), eos=(1,))
+    assert sampler.sample(logits_rows(BASE), [reached]).token_ids == [1]
+
+
+def test_sampler_logprobs_of_the_chosen_token_and_the_top_alternatives() -> None:
+    sampler = Sampler(VOCAB, CPU)
+    reqs = requests_with(
+        SamplingParams(temperature=0, logprobs=3),
+        SamplingParams(temperature=0),
+        SamplingParams(temperature=0, logprobs=0),
+    )
+    out = sampler.sample(logits_rows(BASE, BASE, BASE), reqs)
+    expected = torch.log_softmax(torch.tensor(BASE), dim=-1)
+    first = out.logprobs[0]
+    assert first is not None
+    assert first.chosen.token_id == 1
+    assert math.isclose(first.chosen.logprob, float(expected[1]), rel_tol=1e-5)
+    assert [t.token_id for t in first.top] == [1, 2, 3]
+    assert [t.logprob for t in first.top] == sorted((t.logprob for t in first.top), reverse=True)
+    assert out.logprobs[1] is None
+    third = out.logprobs[2]
+    assert third is not None
+    assert third.top == ()
