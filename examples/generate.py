@@ -62,10 +62,7 @@ def main() -> None:
             num_computed_tokens=num_computed,
             block_table=manager.block_table("example"),
             sampling=SamplingInput(
-                params=greedy,
-                prompt_token_ids=tuple(prompt),
-                output_token_ids=tuple(output),
-                eos_token_ids=loaded.eos_token_ids,
+                params=greedy, num_output_tokens=len(output), eos_token_ids=loaded.eos_token_ids
             ),
         )
         (next_token,) = runner.execute_model(SchedulerOutput(sequences=(step,))).token_ids

@@ -1,8 +1,10 @@
 """`loom`: the command line: `loom serve`, `loom bench`, `loom bench-step`, `loom health`.
 
 `loom serve`'s flags are generated from the settings of the config classes (ModelConfig,
-EngineConfig with its CacheConfig and SchedulerConfig, ServerConfig): each is declared once,
-with its default, check and help, where it is used (loom/core/setting.py).
+EngineConfig with its CacheConfig and SchedulerConfig, ServerConfig), each declared once with
+its default, check and help where it is used (loom/core/setting.py): one flag per setting, one
+help group per class, the flag's name the field's with dashes. Flags are flat, so a setting's
+name is unique among the configs of one command (argparse refuses a second `--block-size`).
 """
 
 from __future__ import annotations
@@ -10,19 +12,23 @@ from __future__ import annotations
 import argparse
 import logging
 import sys
-from collections.abc import Sequence
+import types
+import typing
+from collections.abc import Callable, Sequence
+from typing import Any, TypeVar
 
+import attrs
 import trio
 
 from loom.bench import command as bench_command
 from loom.bench import step as bench_step
-from loom.core.setting import add_settings, settings_from
 from loom.engine.config import EngineConfig
 from loom.engine.engine import Engine
 from loom.model.loader import ModelConfig
 from loom.server import health_probe
 from loom.server.server import LoomServer, ServerConfig
 
+T = TypeVar("T")
 SERVE_CONFIGS = (ModelConfig, EngineConfig, ServerConfig)
 
 
@@ -42,6 +48,66 @@ def parser() -> argparse.ArgumentParser:
     root.formatter_class = argparse.RawDescriptionHelpFormatter
     root.epilog = serve.format_help()  # so that `loom --help` lists every flag too
     return root
+
+
+def add_settings(parser: argparse.ArgumentParser, config: type) -> None:
+    """One flag per setting of `config` and of the config classes it holds, a group each."""
+    hints = typing.get_type_hints(config)
+    group = parser.add_argument_group(config.__name__.removesuffix("Config").lower() + " settings")
+    for field in attrs.fields(config):
+        kind = hints[field.name]
+        if attrs.has(kind):
+            add_settings(parser, kind)
+        elif "help" in field.metadata:
+            group.add_argument(f"--{field.name.replace('_', '-')}", **flag_options(field, kind))
+
+
+def flag_options(field: attrs.Attribute[Any], kind: Any) -> dict[str, Any]:
+    # Absent flags stay absent (SUPPRESS), so that the config class's own default applies.
+    options: dict[str, Any] = {"dest": field.name, "default": argparse.SUPPRESS}
+    options["help"] = field.metadata["help"]
+    if field.default is not None:
+        options["help"] += f" (default: {field.default})"
+    base = unwrap_optional(kind)
+    if base is bool:
+        options["action"] = argparse.BooleanOptionalAction
+    else:
+        parse = field.metadata["parse"]
+        options["type"] = flag_type(parse) if parse else base
+        options["choices"] = field.metadata["choices"]
+    return options
+
+
+def flag_type(parse: Callable[[str], Any]) -> Callable[[str], Any]:
+    """`parse`, its ValueError shown by argparse as it is written."""
+
+    def convert(text: str) -> Any:
+        try:
+            return parse(text)
+        except ValueError as exc:
+            raise argparse.ArgumentTypeError(str(exc)) from None
+
+    return convert
+
+
+def unwrap_optional(kind: Any) -> Any:
+    """`int | None` -> `int`."""
+    if isinstance(kind, types.UnionType) or typing.get_origin(kind) is typing.Union:
+        (inner,) = [arg for arg in typing.get_args(kind) if arg is not type(None)]
+        return inner
+    return kind
+
+
+def settings_from(args: argparse.Namespace, config: type[T]) -> T:
+    """`config` built from parsed flags; flags not given keep the class's defaults."""
+    hints = typing.get_type_hints(config)
+    values: dict[str, Any] = {}
+    for field in attrs.fields(config):  # type: ignore[arg-type]
+        if attrs.has(hints[field.name]):
+            values[field.name] = settings_from(args, hints[field.name])
+        elif hasattr(args, field.name):
+            values[field.name] = getattr(args, field.name)
+    return config(**values)
 
 
 def serve(args: argparse.Namespace) -> int:

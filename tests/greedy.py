@@ -91,12 +91,7 @@ def scheduled_sequence(
 ) -> ScheduledSequence:
     """Tokens `num_computed:end` of the request; greedy sampling when they complete it."""
     tokens = request.token_ids
-    sampling = SamplingInput(
-        params=GREEDY,
-        prompt_token_ids=tuple(request.prompt),
-        output_token_ids=tuple(request.output),
-        eos_token_ids=(),
-    )
+    sampling = SamplingInput(params=GREEDY, num_output_tokens=len(request.output), eos_token_ids=())
     return ScheduledSequence(
         request_id=request.request_id,
         token_ids=tuple(tokens[request.num_computed : end]),

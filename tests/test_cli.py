@@ -2,20 +2,79 @@
 
 from __future__ import annotations
 
+import argparse
 import subprocess
 import sys
+from pathlib import Path
 
 import attrs
 import pytest
 
-from loom.cli import SERVE_CONFIGS, parser
+from loom.cli import SERVE_CONFIGS, add_settings, parser, settings_from
 from loom.core.config import CacheConfig, SchedulerConfig
-from loom.core.setting import settings_from
+from loom.core.setting import at_least, byte_size, setting
 from loom.engine.config import EngineConfig
 from loom.model.loader import ModelConfig
 from loom.server.server import ServerConfig
 
 LOOM = [sys.executable, "-m", "loom"]
+
+
+@attrs.frozen(kw_only=True)
+class Inner:
+    depth: int = setting(3, "how deep", check=at_least(0))
+
+
+@attrs.frozen(kw_only=True)
+class Outer:
+    inner: Inner = attrs.field(factory=Inner)
+    name: str = setting("x", "a name", choices=("x", "y"))
+    size: int | None = setting(None, "a size in bytes", parse=byte_size)
+    folder: Path | None = setting(None, "a folder")
+    verbose: bool = setting(False, "say more")
+    rate: float = setting(0.5, "a rate")
+
+
+def parse(*argv: str) -> argparse.Namespace:
+    parser = argparse.ArgumentParser()
+    add_settings(parser, Outer)
+    return parser.parse_args(argv)
+
+
+def test_cli_setting_flags_keep_the_class_defaults_when_absent() -> None:
+    assert settings_from(parse(), Outer) == Outer()
+
+
+def test_cli_setting_flags_parse_by_type_into_nested_configs() -> None:
+    args = parse(
+        "--depth", "5", "--name", "y", "--size", "2KiB", "--folder", "/tmp", "--verbose",
+        "--rate", "0.25",
+    )  # fmt: skip
+    assert settings_from(args, Outer) == Outer(
+        inner=Inner(depth=5), name="y", size=2048, folder=Path("/tmp"), verbose=True, rate=0.25
+    )
+
+
+def test_cli_setting_help_shows_the_default_once() -> None:
+    parser = argparse.ArgumentParser()
+    add_settings(parser, Outer)
+    text = " ".join(parser.format_help().split())
+    assert "how deep (default: 3)" in text
+    assert "a size in bytes --folder" in text  # no "(default: None)"
+
+
+def test_cli_setting_checks_run_on_flags_too() -> None:
+    with pytest.raises(ValueError, match="depth must be at least 0, got -1"):
+        settings_from(parse("--depth", "-1"), Outer)
+    with pytest.raises(SystemExit):
+        parse("--name", "z")  # argparse refuses a choice it knows is wrong
+
+
+def test_cli_setting_flag_names_are_unique_across_the_configs_of_a_command() -> None:
+    parser = argparse.ArgumentParser()
+    add_settings(parser, CacheConfig)
+    with pytest.raises(argparse.ArgumentError, match="conflicting option string: --block-size"):
+        add_settings(parser, CacheConfig)
 
 
 def settings_of(config: type) -> list[str]:

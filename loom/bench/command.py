@@ -17,6 +17,7 @@ import torch
 from loom.bench.baseline import run_baseline
 from loom.bench.metrics import Objectives, summarize, table
 from loom.bench.serving import Workload, drive, launched_server, make_workload
+from loom.core.setting import at_least
 from loom.model.loader import LoadedModel, load_model
 
 
@@ -69,13 +70,8 @@ def counts(flag: str, text: str) -> list[int]:
     except ValueError:
         raise ValueError(f"{flag} takes whole numbers separated by commas, got {text!r}") from None
     for value in values:
-        at_least(flag, value, 1)
+        at_least(1)(flag, value)
     return values
-
-
-def at_least(flag: str, value: float, minimum: float) -> None:
-    if value < minimum:
-        raise ValueError(f"{flag} must be at least {minimum}, got {value}")
 
 
 def objectives(text: str) -> Objectives:
@@ -108,7 +104,7 @@ def run(args: argparse.Namespace) -> int:
         ("--output-len", args.output_len, 1),
         ("--warmup", args.warmup, 0),
     ]:
-        at_least(flag, value, minimum)
+        at_least(minimum)(flag, value)
     if not args.request_rate > 0:
         raise ValueError(f"--request-rate must be above 0, got {args.request_rate}")
     loaded = load_model(args.model, dtype=torch.float32, device=torch.device("cpu"))

@@ -20,18 +20,17 @@ from typing import Any
 
 import torch
 
-from loom.bench.command import at_least, counts
+from loom.bench.command import counts
 from loom.core.config import CacheConfig
 from loom.core.sampling_params import SamplingParams
+from loom.core.setting import at_least
 from loom.core.step import SamplingInput, ScheduledSequence, SchedulerOutput
 from loom.model.attention import paged_attention, write_kv
 from loom.model.device import resolve_device, resolve_dtype
 from loom.model.loader import load_model
 from loom.model.model_runner import ModelRunner
 
-GREEDY = SamplingInput(
-    params=SamplingParams(temperature=0), prompt_token_ids=(), output_token_ids=(), eos_token_ids=()
-)
+GREEDY = SamplingInput(params=SamplingParams(temperature=0), num_output_tokens=0, eos_token_ids=())
 
 BLOCK_SIZE = 16
 
@@ -56,10 +55,10 @@ def add_parser(commands: Any) -> argparse.ArgumentParser:
 
 def run(args: argparse.Namespace) -> None:
     sizes = counts("--sequences", args.sequences)
-    at_least("--context", args.context, 0)
+    at_least(0)("--context", args.context)
     for flag, value in [("--prefill", args.prefill), ("--prompt-len", args.prompt_len)]:
-        at_least(flag, value, 1)
-    at_least("--repeats", args.repeats, 1)
+        at_least(1)(flag, value)
+    at_least(1)("--repeats", args.repeats)
     device = resolve_device(args.device)
     loaded = load_model(args.model, dtype=resolve_dtype(args.dtype, device), device=device)
     blocks_per_seq = -(-(args.context + 1) // BLOCK_SIZE)

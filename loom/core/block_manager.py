@@ -30,7 +30,7 @@ class BlockManager:
     """Hands out KV blocks to requests; refuses, never overcommits."""
 
     num_blocks: int = attrs.field(validator=attrs.validators.ge(2))
-    block_size: int = attrs.field(default=16, validator=attrs.validators.ge(1))
+    block_size: int = attrs.field(validator=attrs.validators.ge(1))
     _free: deque[int] = attrs.field(init=False)
     _ref_counts: list[int] = attrs.field(init=False)
     _tables: dict[str, list[int]] = attrs.field(init=False, factory=dict)

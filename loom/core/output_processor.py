@@ -1,26 +1,29 @@
-"""From the scheduler's updates to `RequestOutput`s: detokenise, match stop strings, time.
+"""From the scheduler's updates to `RequestOutput`s: detokenise, match stop strings, time, count.
 
-For each token a request receives it makes the delta (token, UTF-8-safe text, logprobs) and says
-whether a stop string ends the request there: the one stop that text decides (the scheduler
-decides the others). For each finished request it makes the final output (finish reason, usage,
-timings). Without a tokenizer there is no text and no stop string.
+For each token a request receives it makes the delta (token, UTF-8-safe text, logprobs); a delta
+whose text reached a stop string is already finished (`stop_sequence`): the one stop that text
+decides, the scheduler deciding the others. A stop string wins over a token stop on the same
+token, as in vLLM. For each finished request it makes the final output (finish reason, usage,
+timings) and counts it by finish reason. Without a tokenizer there is no text and no stop string.
 """
 
 from __future__ import annotations
 
+from collections import Counter
 from typing import Any
 
 import attrs
 
 from loom.core.detokenizer import IncrementalDetokenizer
 from loom.core.request import Request
-from loom.core.request_output import Logprobs, RequestOutput, Timings, Usage
+from loom.core.request_output import FinishReason, Logprobs, RequestOutput, Timings, Usage
 
 
 class OutputProcessor:
     def __init__(self, tokenizer: Any) -> None:
         self.tokenizer = tokenizer
         self.detokenizers: dict[str, IncrementalDetokenizer] = {}
+        self.finished = Counter[FinishReason]()  # final outputs made, by finish reason
 
     def add_request(self, request: Request) -> None:
         if self.tokenizer is not None:
@@ -28,8 +31,8 @@ class OutputProcessor:
                 self.tokenizer, request.prompt_token_ids, request.sampling.stop
             )
 
-    def new_token(self, request: Request, logprobs: Logprobs | None) -> tuple[RequestOutput, bool]:
-        """The delta for the request's newest token, and whether a stop string ends it there."""
+    def new_token(self, request: Request, logprobs: Logprobs | None) -> RequestOutput:
+        """The delta for the request's newest token; finished if a stop string ends it there."""
         token = request.output_token_ids[-1]
         text, hit_stop = "", False
         detokenizer = self.detokenizers.get(request.request_id)
@@ -37,13 +40,13 @@ class OutputProcessor:
             text, hit_stop = detokenizer.add(token)
             if request.finished and not hit_stop:
                 text += detokenizer.flush()  # the last token: nothing more will complete it
-        delta = RequestOutput(
+        return RequestOutput(
             request_id=request.request_id,
             token_ids=(token,),
             text=text,
             logprobs=() if logprobs is None else (logprobs,),
+            finish_reason=FinishReason.STOP_SEQUENCE if hit_stop else None,
         )
-        return delta, hit_stop
 
     def final(
         self, request: Request, now: float, delta: RequestOutput | None = None
@@ -51,9 +54,11 @@ class OutputProcessor:
         """The last output of a request the scheduler has finished (with its last delta, if the
         request ended on a token)."""
         self.detokenizers.pop(request.request_id, None)
-        reason = request.status.finish_reason
+        reason = delta.finish_reason if delta is not None else None
+        reason = reason or request.status.finish_reason
         if reason is None:
             raise ValueError(f"request {request.request_id} is not finished")
+        self.finished[reason] += 1
         return attrs.evolve(
             delta or RequestOutput(request_id=request.request_id),
             finish_reason=reason,

@@ -3,8 +3,8 @@ what could never be served.
 
 Refused: an empty prompt, a token id outside the vocabulary, prompt + max_tokens beyond the
 context length (the model's, or what the whole KV pool holds if that is less), and a prompt too
-large to be worth tokenising. `tokenize` can take a while on a long text: callers run it off
-their event loop.
+large to be worth tokenising. `tokenize` can take a while on a long text or chat
+(`needs_tokenizer`): callers run those off their event loop.
 """
 
 from __future__ import annotations
@@ -26,6 +26,12 @@ class ChatMessage:
 
 
 Prompt = str | Sequence[int] | Sequence[ChatMessage]
+
+
+def needs_tokenizer(prompt: Prompt) -> bool:
+    """Text and chat go through the tokenizer, which takes a while on a long prompt; token ids
+    are only checked against the vocabulary."""
+    return isinstance(prompt, str) or any(isinstance(item, ChatMessage) for item in prompt)
 
 
 @attrs.frozen(kw_only=True)

@@ -24,14 +24,14 @@ request finished while its step runs keeps that finish; the step's token for it 
 
 from __future__ import annotations
 
-from collections import Counter, deque
+from collections import deque
 
 import attrs
 
 from loom.core.block_manager import BlockManager
 from loom.core.config import SchedulerConfig
 from loom.core.request import Request, RequestStatus
-from loom.core.request_output import FinishReason, Logprobs
+from loom.core.request_output import Logprobs
 from loom.core.step import ModelRunnerOutput, SamplingInput, ScheduledSequence, SchedulerOutput
 
 
@@ -46,7 +46,6 @@ class Scheduler:
     num_chunked_prefills: int = 0  # prompt chunks that left part of their prompt for later
     num_prompt_tokens: int = 0  # of the requests added, all time
     num_generated_tokens: int = 0  # sampled and kept, all time
-    finished: Counter[FinishReason] = attrs.field(factory=Counter)
 
     def add_request(self, request: Request) -> None:
         self.requests[request.request_id] = request
@@ -168,8 +167,7 @@ class Scheduler:
 
     def finish(self, request: Request, status: RequestStatus, error: str | None = None) -> bool:
         """End a request and free its blocks. Idempotent: False if it had already finished."""
-        reason = status.finish_reason
-        if reason is None:
+        if not status.finished:
             raise ValueError(f"{status.name} is not a finish")
         if request.finished:
             return False
@@ -181,7 +179,6 @@ class Scheduler:
         request.status = status
         request.error = error
         self.block_manager.free(request.request_id)
-        self.finished[reason] += 1
         return True
 
     def pause(self, request: Request, now: float) -> None:
@@ -222,9 +219,11 @@ class Scheduler:
 
 
 def sampling_input(request: Request) -> SamplingInput:
+    penalised = request.sampling.has_penalties
     return SamplingInput(
         params=request.sampling,
-        prompt_token_ids=request.prompt_token_ids,
-        output_token_ids=tuple(request.output_token_ids),
+        num_output_tokens=len(request.output_token_ids),
         eos_token_ids=request.eos_token_ids,
+        prompt_token_ids=request.prompt_token_ids if penalised else (),
+        output_token_ids=tuple(request.output_token_ids) if penalised else (),
     )

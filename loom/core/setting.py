@@ -1,27 +1,22 @@
 """A setting declared once: its default, type, check and help text live on a config class's field,
-and the command line's flags are generated from those fields.
+and the command line's flags are generated from those fields (loom/cli.py).
 
     max_num_seqs: int = setting(64, "most sequences in one step", check=at_least(1))
 
 gives `--max-num-seqs N`, helped as "most sequences in one step (default: 64)", and both
 `--max-num-seqs 0` and `SchedulerConfig(max_num_seqs=0)` fail with "max_num_seqs must be at
-least 1, got 0". A field whose type is itself a config class contributes that class's settings;
-flags are flat, so a setting's name is unique among the configs of one command. Checks are
-NaN-safe: `not (value >= minimum)` rejects NaN, `value < minimum` would not.
+least 1, got 0". Checks are NaN-safe: `not (value >= minimum)` rejects NaN, `value < minimum`
+would not.
 """
 
 from __future__ import annotations
 
-import argparse
 import re
-import types
-import typing
 from collections.abc import Callable, Sequence
-from typing import Any, TypeVar
+from typing import Any
 
 import attrs
 
-T = TypeVar("T")
 Check = Callable[[str, Any], None]  # (setting name, value); raises ValueError naming both
 
 BYTE_UNITS = {"": 1, "B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9}
@@ -83,52 +78,5 @@ def byte_size(text: str) -> int:
     match = re.fullmatch(r"\s*([0-9.]+)\s*([A-Za-z]*)\s*", text)
     unit = match and BYTE_UNITS.get(match.group(2).upper())
     if not match or unit is None:
-        raise argparse.ArgumentTypeError(f"not a size: {text!r} (e.g. 2GiB, 512MiB, 1000000)")
+        raise ValueError(f"not a size: {text!r} (e.g. 2GiB, 512MiB, 1000000)")
     return int(float(match.group(1)) * unit)
-
-
-def add_settings(parser: argparse.ArgumentParser, config: type) -> None:
-    """One flag per setting of `config` and of the config classes it holds, a group each."""
-    hints = typing.get_type_hints(config)
-    group = parser.add_argument_group(config.__name__.removesuffix("Config").lower() + " settings")
-    for field in attrs.fields(config):
-        kind = hints[field.name]
-        if attrs.has(kind):
-            add_settings(parser, kind)
-        elif "help" in field.metadata:
-            group.add_argument(f"--{field.name.replace('_', '-')}", **flag_options(field, kind))
-
-
-def flag_options(field: attrs.Attribute[Any], kind: Any) -> dict[str, Any]:
-    # Absent flags stay absent (SUPPRESS), so that the config class's own default applies.
-    options: dict[str, Any] = {"dest": field.name, "default": argparse.SUPPRESS}
-    options["help"] = field.metadata["help"]
-    if field.default is not None:
-        options["help"] += f" (default: {field.default})"
-    base = unwrap_optional(kind)
-    if base is bool:
-        options["action"] = argparse.BooleanOptionalAction
-    else:
-        options["type"] = field.metadata["parse"] or base
-        options["choices"] = field.metadata["choices"]
-    return options
-
-
-def unwrap_optional(kind: Any) -> Any:
-    """`int | None` -> `int`."""
-    if isinstance(kind, types.UnionType) or typing.get_origin(kind) is typing.Union:
-        (inner,) = [arg for arg in typing.get_args(kind) if arg is not type(None)]
-        return inner
-    return kind
-
-
-def settings_from(args: argparse.Namespace, config: type[T]) -> T:
-    """`config` built from parsed flags; flags not given keep the class's defaults."""
-    hints = typing.get_type_hints(config)
-    values: dict[str, Any] = {}
-    for field in attrs.fields(config):  # type: ignore[arg-type]
-        if attrs.has(hints[field.name]):
-            values[field.name] = settings_from(args, hints[field.name])
-        elif hasattr(args, field.name):
-            values[field.name] = getattr(args, field.name)
-    return config(**values)

@@ -17,12 +17,14 @@ from loom.core.sampling_params import SamplingParams
 
 @attrs.frozen(kw_only=True)
 class SamplingInput:
-    """What the sampler needs of one request, copied out of it for this step."""
+    """What the sampler needs of one request, copied out of it for this step. The token ids are
+    what the penalties count: a request without penalties sends none (they cost a copy a step)."""
 
     params: SamplingParams
-    prompt_token_ids: tuple[int, ...]  # repetition penalty
-    output_token_ids: tuple[int, ...]  # penalties, min_tokens, a seeded request's position
+    num_output_tokens: int  # min_tokens; the position a seeded request's noise is drawn for
     eos_token_ids: tuple[int, ...]  # banned until min_tokens (unless ignore_eos)
+    prompt_token_ids: tuple[int, ...] = ()
+    output_token_ids: tuple[int, ...] = ()
 
 
 @attrs.frozen(kw_only=True)

@@ -3,7 +3,8 @@
     submit ── refused at once: queue full, prompt too large
        │
        ▼ admission channel (bounded by max_waiting_requests)
-    admission task ── tokenise (worker thread), check the prompt and the queued prompt tokens
+    admission task ── tokenise (text and chat in a worker thread), check the prompt and the
+       │              queued prompt tokens
        │
        ▼ admit(submission, request): the engine hands the request to the scheduler
 
@@ -22,7 +23,7 @@ import attrs
 import trio
 
 from loom.core.errors import EngineOverloadedError
-from loom.core.prompt import Prompt, PromptChecker
+from loom.core.prompt import Prompt, PromptChecker, needs_tokenizer
 from loom.core.request import Request
 from loom.core.sampling_params import SamplingParams
 from loom.core.scheduler import Scheduler
@@ -51,7 +52,7 @@ class Admission:
         self.pending: dict[str, Submission] = {}  # submitted, not yet admitted nor refused
         # In the channel or being admitted, aborted ones included: never above the channel's
         # capacity, so that `send_nowait` cannot block.
-        self.num_admitting = 0
+        self.num_unhandled = 0
         self.done = False  # the channel is closed and every submission in it handled
 
     @classmethod
@@ -80,7 +81,7 @@ class Admission:
         """Queue a request under a new id of the engine's making, or refuse it at once. The
         stream's consumer reaches the engine's `abort` and `resume` for this id alone."""
         self.prompts.check_size(prompt)
-        num_queued = len(self.scheduler.waiting) + self.num_admitting
+        num_queued = len(self.scheduler.waiting) + self.num_unhandled
         if num_queued >= self.config.max_waiting_requests:
             raise EngineOverloadedError(
                 f"the waiting queue is full: {num_queued} requests "
@@ -103,7 +104,7 @@ class Admission:
         )
         self.send.send_nowait(submission)
         self.pending[request_id] = submission
-        self.num_admitting += 1
+        self.num_unhandled += 1
         return stream
 
     def abort(self, request_id: str) -> bool:
@@ -127,14 +128,18 @@ class Admission:
                     if self.pending.get(submission.request_id) is submission:
                         await self.admit_one(submission, admit)
                 finally:
-                    self.num_admitting -= 1
+                    self.num_unhandled -= 1
         self.done = True
 
     async def admit_one(
         self, submission: Submission, admit: Callable[[Submission, Request], None]
     ) -> None:
         try:
-            token_ids = await trio.to_thread.run_sync(self.prompts.tokenize, submission.prompt)
+            prompt = submission.prompt
+            if needs_tokenizer(prompt):
+                token_ids = await trio.to_thread.run_sync(self.prompts.tokenize, prompt)
+            else:  # token ids: checked at once, so that a burst is admitted in one go
+                token_ids = self.prompts.tokenize(prompt)
             request = self.prompts.request(
                 submission.request_id,
                 token_ids,

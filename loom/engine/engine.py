@@ -48,10 +48,12 @@ RunnerFactory = Callable[[LoadedModel, CacheConfig], ModelRunner]
 
 
 class EngineState(enum.Enum):
+    """The engine's life; each value is why a submission is refused in that state."""
+
     LOADING = "the model is still loading"
     SERVING = "serving"
     DRAINING = "the engine is draining"
-    STOPPED = "the engine stopped"
+    STOPPED = "the engine stopped"  # or the crash, in `Engine.stop_reason`
 
 
 class Engine:
@@ -66,7 +68,7 @@ class Engine:
         self.load = load
         self.make_runner = make_runner
         self.state = EngineState.LOADING
-        self.stop_reason = EngineState.LOADING.value  # why submissions are refused
+        self.stop_reason = EngineState.STOPPED.value  # set by `stop`: a crash says what it was
         self.loaded = False  # the runner, scheduler, admission and output processor exist
         self.streams: dict[str, RequestStream] = {}  # admitted, unfinished requests
         self.wakeup = trio.Event()
@@ -98,7 +100,7 @@ class Engine:
         self.model_name = loaded.name
         self.loaded = True
         if self.state is EngineState.LOADING:
-            self.state, self.stop_reason = EngineState.SERVING, ""
+            self.state = EngineState.SERVING
         else:  # drained while it loaded
             self.admission.close()
 
@@ -112,9 +114,11 @@ class Engine:
         deadline: float | None = None,
     ) -> RequestStream:
         """Queue a request; its outputs arrive in the returned stream, whose `request_id` is the
-        engine's own. Raises at once when the engine is not serving or the queue is full."""
+        engine's own. Raises at once EngineDeadError when the engine is not serving,
+        InvalidRequestError for a prompt too large, EngineOverloadedError when the queue is full;
+        later refusals (after tokenising) end the stream with the error."""
         if self.state is not EngineState.SERVING:
-            raise EngineDeadError(self.stop_reason)
+            raise EngineDeadError(self.refusal())
         sampling = sampling or SamplingParams()
         return self.admission.submit(
             prompt, sampling, deadline=deadline, abort=self.abort, resume=self.resume
@@ -140,7 +144,7 @@ class Engine:
 
     def abort(self, request_id: str) -> None:
         """Finish a request as ABORTED and free its blocks. Safe for unknown or finished ids."""
-        if self.admission.abort(request_id):
+        if not self.loaded or self.admission.abort(request_id):
             return  # not admitted yet: the admission task drops it
         request = self.scheduler.requests.get(request_id)
         if request is not None:
@@ -149,20 +153,19 @@ class Engine:
 
     def resume(self, request_id: str) -> None:
         """The consumer drained a full buffer: schedule the request again."""
-        if self.scheduler.resume(request_id):
+        if self.loaded and self.scheduler.resume(request_id):
             self.wakeup.set()
 
     def drain(self) -> None:
         """Take no new requests; `run` returns once the admitted ones have finished."""
         if self.state in (EngineState.LOADING, EngineState.SERVING):
             self.state = EngineState.DRAINING
-            self.stop_reason = EngineState.DRAINING.value
         if self.loaded:
             self.admission.close()
 
     def stats(self) -> EngineStats:
         self.check_loaded()
-        return EngineStats.of(self.scheduler, num_admitting=len(self.admission.pending))
+        return EngineStats.of(self.scheduler, self.outputs, num_pending=len(self.admission.pending))
 
     def model_info(self) -> ModelInfo:
         self.check_loaded()
@@ -170,7 +173,10 @@ class Engine:
 
     def check_loaded(self) -> None:
         if not self.loaded:
-            raise EngineDeadError(self.stop_reason)
+            raise EngineDeadError(self.refusal())
+
+    def refusal(self) -> str:
+        return self.stop_reason if self.state is EngineState.STOPPED else self.state.value
 
     # The admission task and the stepping loop.
 
@@ -207,8 +213,8 @@ class Engine:
 
     def publish(self, request: Request, logprobs: Logprobs | None, now: float) -> None:
         """Send a request's new token; a stop string in its text finishes it."""
-        delta, hit_stop = self.outputs.new_token(request, logprobs)
-        if hit_stop:
+        delta = self.outputs.new_token(request, logprobs)
+        if delta.finished:  # a stop string
             self.scheduler.finish(request, RequestStatus.FINISHED_STOP_SEQUENCE)
         if request.finished:
             self.end_stream(request, now, delta)
@@ -234,3 +240,6 @@ class Engine:
             for request in list(self.scheduler.requests.values()):
                 self.finish(request, RequestStatus.FINISHED_ERROR, error=reason)
             self.admission.close(EngineDeadError(reason))
+        for stream in self.streams.values():  # finished in a step that then crashed mid-publish
+            stream.fail(EngineDeadError(reason))
+        self.streams.clear()

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import attrs
 
+from loom.core.output_processor import OutputProcessor
 from loom.core.scheduler import Scheduler
 from loom.model.model_runner import ModelRunner
 
@@ -22,11 +23,11 @@ class EngineStats:
     finished: dict[str, int]  # finished requests by finish reason
 
     @classmethod
-    def of(cls, scheduler: Scheduler, *, num_admitting: int) -> EngineStats:
+    def of(cls, scheduler: Scheduler, outputs: OutputProcessor, *, num_pending: int) -> EngineStats:
         requests = scheduler.requests.values()
         return cls(
             num_running=sum(not r.paused for r in scheduler.running),
-            num_waiting=len(scheduler.waiting) + num_admitting,
+            num_waiting=len(scheduler.waiting) + num_pending,
             num_paused=sum(r.paused for r in requests),
             num_total_blocks=scheduler.block_manager.num_total_blocks,
             num_free_blocks=scheduler.block_manager.num_free_blocks,
@@ -34,7 +35,7 @@ class EngineStats:
             num_chunked_prefills=scheduler.num_chunked_prefills,
             num_prompt_tokens=scheduler.num_prompt_tokens,
             num_generated_tokens=scheduler.num_generated_tokens,
-            finished={reason.value: n for reason, n in scheduler.finished.items()},
+            finished={reason.value: n for reason, n in outputs.finished.items()},
         )
 
 

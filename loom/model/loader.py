@@ -180,7 +180,6 @@ def file_digest(path: Path) -> str:
     return digest.hexdigest()[:16]
 
 
-if (
-    __name__ == "__main__"
-):  # `python -m loom.model.loader`: convert the default model into the cache
+# `python -m loom.model.loader`: convert the default model into the cache (the image does).
+if __name__ == "__main__":
     print(converted_gguf_folder(default_model_path(), model_cache_root()))

@@ -69,7 +69,7 @@ class Sampler:
         """Forbid EOS and the stop token ids until a request has its min_tokens."""
         banned_rows, banned_columns = [], []
         for i, r in enumerate(rows):
-            if len(r.output_token_ids) < r.params.min_tokens:
+            if r.num_output_tokens < r.params.min_tokens:
                 banned = {*r.params.stop_token_ids}
                 if not r.params.ignore_eos:
                     banned.update(r.eos_token_ids)
@@ -97,7 +97,7 @@ class Sampler:
         exponential.exponential_()
         for i, r in enumerate(rows):
             if r.params.seed is not None:
-                seed = position_seed(r.params.seed, len(r.output_token_ids))
+                seed = position_seed(r.params.seed, r.num_output_tokens)
                 generator = torch.Generator(device=self.device).manual_seed(seed)
                 exponential[i].exponential_(generator=generator)
         return (probs / exponential).argmax(dim=-1)

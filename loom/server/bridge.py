@@ -49,15 +49,11 @@ class TrioBridge:
             else:
                 self.loop.call_soon_threadsafe(settle, result, None)
 
-        self.call_soon(run)
-        return await future
-
-    def call_soon(self, fn: Callable[[], object]) -> None:
-        """Fire and forget, in the trio thread."""
         try:
-            self.trio_token.run_sync_soon(fn)
+            self.trio_token.run_sync_soon(run)
         except trio.RunFinishedError:
             raise EngineDeadError("the engine has stopped") from None
+        return await future
 
     def waker(self, event: asyncio.Event) -> Callable[[], None]:
         """A thread-safe, coalescing `event.set` for the trio thread to call."""
@@ -99,3 +95,8 @@ class Count:
             callback()
         else:
             self.on_zero.append(callback)
+
+    def forget(self, callback: Callable[[], object]) -> None:
+        """Drop a callback whose waiter gave up."""
+        if callback in self.on_zero:
+            self.on_zero.remove(callback)

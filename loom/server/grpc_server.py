@@ -141,5 +141,13 @@ class GrpcServer:
             else:
                 counter.when_zero(notify)
 
+        def forget() -> None:
+            counter = count()
+            if counter is not None:
+                counter.forget(notify)
+
         if self.in_loop(register):
-            await done.wait()
+            try:
+                await done.wait()
+            finally:
+                self.in_loop(forget)  # a no-op once notified; else a timeout gave up waiting

@@ -22,7 +22,7 @@ import attrs
 import trio
 
 from loom.core.setting import above, in_range, setting
-from loom.engine.engine import Engine
+from loom.engine.engine import Engine, EngineState
 from loom.server.grpc_server import GrpcServer
 
 log = logging.getLogger(__name__)
@@ -81,7 +81,8 @@ class LoomServer:
             with self.engine_scope:
                 async with trio.open_nursery() as nursery:
                     await nursery.start(self.engine.run)
-                    self.grpc.set_serving(True)
+                    if self.engine.state is EngineState.SERVING:  # not drained while it loaded
+                        self.grpc.set_serving(True)
                     task_status.started()
         except Exception:
             self.grpc.set_serving(False)

@@ -98,7 +98,7 @@ def test_block_manager_refuses_to_share_unheld_blocks() -> None:
 
 def test_block_manager_rejects_a_pool_without_usable_blocks() -> None:
     with pytest.raises(ValueError, match="num_blocks"):
-        BlockManager(num_blocks=1)
+        BlockManager(num_blocks=1, block_size=4)
 
 
 class BlockManagerMachine(RuleBasedStateMachine):

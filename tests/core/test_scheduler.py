@@ -7,7 +7,6 @@ import pytest
 from loom.core.block_manager import BlockManager
 from loom.core.config import SchedulerConfig
 from loom.core.request import RequestStatus
-from loom.core.request_output import FinishReason
 from loom.core.sampling_params import SamplingParams
 from loom.core.scheduler import Scheduler
 from loom.core.step import SchedulerOutput
@@ -196,7 +195,6 @@ def test_scheduler_update_finishes_on_token_stops_and_frees_their_blocks() -> No
     assert capped.status is RequestStatus.FINISHED_LENGTH
     assert list(scheduler.requests) == ["ignoring"]
     assert scheduler.num_generated_tokens == 8
-    assert scheduler.finished == {FinishReason.STOP: 3, FinishReason.LENGTH: 1}
 
 
 def test_scheduler_output_carries_only_plain_data_for_the_worker_thread() -> None:

@@ -1,74 +1,45 @@
-"""Settings declared once on config classes, and the flags generated from them."""
+"""Settings declared once on config classes: their checks and their value parsers."""
 
 from __future__ import annotations
 
-import argparse
-from pathlib import Path
+import math
 
 import attrs
 import pytest
 
-from loom.core.config import CacheConfig
-from loom.core.setting import add_settings, at_least, byte_size, setting, settings_from
+from loom.core.setting import above, at_least, byte_size, in_range, setting
 
 
 @attrs.frozen(kw_only=True)
-class Inner:
+class Example:
     depth: int = setting(3, "how deep", check=at_least(0))
-
-
-@attrs.frozen(kw_only=True)
-class Outer:
-    inner: Inner = attrs.field(factory=Inner)
+    rate: float = setting(0.5, "a rate", check=in_range(0, 1, low_open=True))
+    timeout: float = setting(1.0, "seconds", check=above(0))
     name: str = setting("x", "a name", choices=("x", "y"))
-    size: int | None = setting(None, "a size in bytes", parse=byte_size)
-    folder: Path | None = setting(None, "a folder")
-    verbose: bool = setting(False, "say more")
-    rate: float = setting(0.5, "a rate")
+    size: int | None = setting(None, "a size in bytes", check=at_least(1), parse=byte_size)
 
 
-def parse(*argv: str) -> argparse.Namespace:
-    parser = argparse.ArgumentParser()
-    add_settings(parser, Outer)
-    return parser.parse_args(argv)
+def test_setting_defaults_and_unset_values_pass() -> None:
+    assert Example().size is None  # None means unset: never checked
 
 
-def test_setting_flags_keep_the_class_defaults_when_absent() -> None:
-    assert settings_from(parse(), Outer) == Outer()
-
-
-def test_setting_flags_parse_by_type_into_nested_configs() -> None:
-    args = parse(
-        "--depth", "5", "--name", "y", "--size", "2KiB", "--folder", "/tmp", "--verbose",
-        "--rate", "0.25",
-    )  # fmt: skip
-    assert settings_from(args, Outer) == Outer(
-        inner=Inner(depth=5), name="y", size=2048, folder=Path("/tmp"), verbose=True, rate=0.25
-    )
-
-
-def test_setting_help_shows_the_default_once() -> None:
-    parser = argparse.ArgumentParser()
-    add_settings(parser, Outer)
-    text = " ".join(parser.format_help().split())
-    assert "how deep (default: 3)" in text
-    assert "a size in bytes --folder" in text  # no "(default: None)"
-
-
-def test_setting_checks_run_on_flags_and_on_construction() -> None:
-    with pytest.raises(ValueError, match="depth must be at least 0, got -1"):
-        settings_from(parse("--depth", "-1"), Outer)
-    with pytest.raises(ValueError, match="name must be one of x, y, got 'z'"):
-        Outer(name="z")
-    with pytest.raises(SystemExit):
-        parse("--name", "z")  # argparse refuses a choice it knows is wrong
-
-
-def test_setting_flag_names_are_unique_across_the_configs_of_a_command() -> None:
-    parser = argparse.ArgumentParser()
-    add_settings(parser, CacheConfig)
-    with pytest.raises(argparse.ArgumentError, match="conflicting option string: --block-size"):
-        add_settings(parser, CacheConfig)
+@pytest.mark.parametrize(
+    ("values", "message"),
+    [
+        ({"depth": -1}, "depth must be at least 0, got -1"),
+        ({"rate": 0.0}, r"rate must be in \(0, 1\], got 0.0"),
+        ({"rate": math.nan}, r"rate must be in \(0, 1\], got nan"),
+        ({"timeout": 0.0}, "timeout must be above 0, got 0.0"),
+        ({"timeout": math.nan}, "timeout must be above 0, got nan"),
+        ({"name": "z"}, "name must be one of x, y, got 'z'"),
+        ({"size": 0}, "size must be at least 1, got 0"),
+    ],
+)
+def test_setting_checks_name_the_setting_and_the_limit(
+    values: dict[str, object], message: str
+) -> None:
+    with pytest.raises(ValueError, match=message):
+        Example(**values)  # type: ignore[arg-type]
 
 
 @pytest.mark.parametrize(
@@ -79,5 +50,5 @@ def test_setting_byte_sizes(text: str, size: int) -> None:
 
 
 def test_setting_byte_size_names_a_bad_value() -> None:
-    with pytest.raises(argparse.ArgumentTypeError, match="not a size: '2 parsecs'"):
+    with pytest.raises(ValueError, match="not a size: '2 parsecs'"):
         byte_size("2 parsecs")

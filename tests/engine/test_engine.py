@@ -11,6 +11,7 @@ from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
 from typing import Any
 
+import attrs
 import pytest
 import trio
 import trio.lowlevel
@@ -25,6 +26,7 @@ from loom.core.sampling_params import SamplingParams
 from loom.core.step import SchedulerOutput
 from loom.engine.config import EngineConfig
 from loom.engine.engine import Engine, RunnerFactory
+from loom.engine.request_stream import RequestStream
 from loom.model.loader import LoadedModel
 from loom.model.model_runner import ModelRunner
 from tests.conftest import tiny_model
@@ -160,6 +162,74 @@ async def test_engine_utf8_stream_joins_to_the_full_decode(smollm2_tokenizer: An
                 # Random tokens also make invalid byte runs, which decode to U+FFFD for good;
                 # equality shows none was added or lost by splitting the stream.
                 assert text == full
+
+
+async def test_engine_stop_string_on_the_last_allowed_token_wins_over_length(
+    smollm2_tokenizer: Any,
+) -> None:
+    """The token that reaches max_tokens also completes a stop string: the text is cut before
+    the stop string and the finish says so, as vLLM reports it."""
+    loaded = tiny_model("qwen2", vocab_size=len(smollm2_tokenizer), tokenizer=smollm2_tokenizer)
+    sampling = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
+    async with serving(loaded) as engine:
+        with trio.fail_after(60):
+            plain = await collect(engine, "Once upon a time", sampling)
+            text = "".join(o.text for o in plain)
+            assert plain[-1].text  # the last token adds text: a stop string can end in it
+            # The shortest tail of the text found nowhere earlier in it.
+            stop = next(text[-k:] for k in range(1, 5) if text.find(text[-k:]) == len(text) - k)
+            with_stop = attrs.evolve(sampling, stop=(stop,))
+            stopped = await collect(engine, "Once upon a time", with_stop)
+    assert tokens_of(stopped) == tokens_of(plain)
+    assert "".join(o.text for o in stopped) == text[: -len(stop)]
+    assert stopped[-1].finish_reason is FinishReason.STOP_SEQUENCE
+    assert engine.stats().finished == {"length": 1, "stop_sequence": 1}
+
+
+class FailingDecode:
+    """SmolLM2's tokenizer, whose `decode` raises from its `fail_at`-th call on."""
+
+    def __init__(self, tokenizer: Any, fail_at: int) -> None:
+        self.tokenizer, self.fail_at, self.calls = tokenizer, fail_at, 0
+
+    def decode(self, ids: list[int], **kwargs: Any) -> str:
+        self.calls += 1
+        if self.calls >= self.fail_at:
+            raise RuntimeError("injected decode fault")
+        return str(self.tokenizer.decode(ids, **kwargs))
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.tokenizer, name)
+
+
+async def test_engine_crash_while_publishing_still_ends_the_stream(smollm2_tokenizer: Any) -> None:
+    """The step's last token finishes the request (max_tokens) in the scheduler, then
+    detokenising it crashes the engine: the request's consumer still gets an error."""
+    tokenizer = FailingDecode(smollm2_tokenizer, fail_at=5)  # 2 decodes a token: the 3rd fails
+    loaded = tiny_model("llama", vocab_size=len(smollm2_tokenizer), tokenizer=tokenizer)
+    engine = Engine(EngineConfig(), lambda: loaded)
+    outputs: list[RequestOutput] = []
+    errors: list[BaseException] = []
+
+    async def run_engine(task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
+        with pytest.RaisesGroup(RuntimeError, flatten_subgroups=True):
+            await engine.run(task_status=task_status)
+
+    async def consume(stream: RequestStream) -> None:
+        try:
+            async for output in stream.outputs():
+                outputs.append(output)
+        except EngineDeadError as exc:
+            errors.append(exc)
+
+    with trio.fail_after(30):
+        async with trio.open_nursery() as nursery:
+            await nursery.start(run_engine)
+            nursery.start_soon(consume, engine.submit([1, 2], SamplingParams(max_tokens=3)))
+    assert len(outputs) == 2
+    (error,) = errors
+    assert "injected decode fault" in str(error)
+    assert_idle(engine)
 
 
 async def test_engine_seed_gives_the_same_tokens_whatever_the_batch_mates() -> None:
@@ -318,7 +388,7 @@ async def test_engine_abort_landing_during_the_final_step_wins() -> None:
 
     def abort_during_the_final_step(output: SchedulerOutput) -> None:
         (seq,) = output.sequences
-        if seq.sampling is not None and len(seq.sampling.output_token_ids) == 4:
+        if seq.sampling is not None and seq.sampling.num_output_tokens == 4:
             trio.from_thread.run_sync(engine.abort, request_ids[0])
 
     runner = calling_before_each_step(abort_during_the_final_step)

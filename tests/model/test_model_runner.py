@@ -161,12 +161,8 @@ def test_model_runner_samples_only_the_sequences_that_complete(tiny: LoadedModel
 
 
 def greedy_input(logprobs: int | None = None) -> SamplingInput:
-    return SamplingInput(
-        params=SamplingParams(temperature=0, logprobs=logprobs),
-        prompt_token_ids=(),
-        output_token_ids=(),
-        eos_token_ids=(),
-    )
+    params = SamplingParams(temperature=0, logprobs=logprobs)
+    return SamplingInput(params=params, num_output_tokens=0, eos_token_ids=())
 
 
 @pytest.mark.smollm2

@@ -19,7 +19,11 @@ def row(
 ) -> SamplingInput:
     """A request with prompt tokens 1, 2, 3."""
     return SamplingInput(
-        params=params, prompt_token_ids=(1, 2, 3), output_token_ids=output, eos_token_ids=eos
+        params=params,
+        num_output_tokens=len(output),
+        eos_token_ids=eos,
+        prompt_token_ids=(1, 2, 3),
+        output_token_ids=output,
     )
 
 
