@@ -26,7 +26,8 @@ from loom.engine.config import EngineConfig
 from loom.engine.engine import Engine
 from loom.model.loader import ModelConfig
 from loom.server import health_probe
-from loom.server.server import LoomServer, ServerConfig
+from loom.server.config import ServerConfig
+from loom.server.server import LoomServer
 
 T = TypeVar("T")
 SERVE_CONFIGS = (ModelConfig, EngineConfig, ServerConfig)

@@ -13,7 +13,8 @@ from loom.engine.config import EngineConfig
 from loom.engine.engine import Engine, RunnerFactory
 from loom.model.loader import LoadedModel
 from loom.model.model_runner import ModelRunner
-from loom.server.server import LoomServer, ServerConfig
+from loom.server.config import ServerConfig
+from loom.server.server import LoomServer
 
 
 @asynccontextmanager

@@ -1,10 +1,13 @@
 """Prompts (text, chat messages or token ids): tokenising, and the checks that refuse at once
 what could never be served.
 
-Refused: an empty prompt, a token id outside the vocabulary, prompt + max_tokens beyond the
-context length (the model's, or what the whole KV pool holds if that is less), and a prompt too
-large to be worth tokenising. `tokenize` can take a while on a long text or chat
-(`needs_tokenizer`): callers run those off their event loop.
+Refused: an empty prompt, a token id outside the vocabulary (given, or made by a tokenizer with
+more tokens than the model has embeddings), prompt + max_tokens beyond the context length (the
+model's, or what the whole KV pool holds if that is less), a chat the template refuses, and a
+prompt too large to be worth tokenising: more characters than `max_prompt_chars` (roles and
+contents of every message counted), more messages or token ids than the context length.
+`tokenize` can take a while on a long text or chat (`needs_tokenizer`): callers run those off
+their event loop.
 """
 
 from __future__ import annotations
@@ -50,10 +53,12 @@ class PromptChecker:
             num_chars = len(prompt)
         else:
             items = list(prompt)
-            num_chars = sum(len(m.content) for m in items if isinstance(m, ChatMessage))
+            messages = [m for m in items if isinstance(m, ChatMessage)]
+            num_chars = sum(len(m.role) + len(m.content) for m in messages)
             if len(items) > self.max_model_len:
+                field = "messages" if messages else "token_ids"
                 raise InvalidRequestError(
-                    f"token_ids has {len(items)} tokens; the context length is {self.max_model_len}"
+                    f"{field} has {len(items)} items; the context length is {self.max_model_len}"
                 )
         if num_chars > self.max_prompt_chars:
             raise InvalidRequestError(
@@ -66,13 +71,13 @@ class PromptChecker:
         if isinstance(prompt, str):
             if not prompt:
                 raise InvalidRequestError("prompt text must not be empty")
-            return tuple(self.need_tokenizer().encode(prompt))
+            return self.check_made(self.need_tokenizer().encode(prompt))
         items = list(prompt)
         if not items:
             raise InvalidRequestError("prompt must not be empty (text, messages or token_ids)")
         messages = [m for m in items if isinstance(m, ChatMessage)]
         if len(messages) == len(items):
-            return self.encode_chat(messages)
+            return self.check_made(self.encode_chat(messages))
         if not all(isinstance(t, int) for t in items):
             raise InvalidRequestError("prompt must be text, chat messages or token ids")
         for t in items:
@@ -86,12 +91,25 @@ class PromptChecker:
         tokenizer = self.need_tokenizer()
         if tokenizer.chat_template is None:
             raise InvalidRequestError("messages need a chat template; this model has none")
-        encoded = tokenizer.apply_chat_template(
-            [{"role": m.role, "content": m.content} for m in messages],
-            add_generation_prompt=True,
-            tokenize=True,
-        )
+        try:
+            encoded = tokenizer.apply_chat_template(
+                [{"role": m.role, "content": m.content} for m in messages],
+                add_generation_prompt=True,
+                tokenize=True,
+            )
+        except Exception as exc:  # the template's own check (roles, order) of the client's chat
+            raise InvalidRequestError(f"messages: the chat template refused them: {exc}") from exc
         return tuple(encoded if isinstance(encoded, list) else encoded["input_ids"])
+
+    def check_made(self, token_ids: Sequence[int]) -> tuple[int, ...]:
+        """Token ids a tokenizer made: one with added tokens can exceed the embedding."""
+        beyond = [t for t in token_ids if not (0 <= t < self.vocab_size)]
+        if beyond:
+            raise InvalidRequestError(
+                f"the tokenizer made token id {beyond[0]}, beyond this model's vocabulary of "
+                f"{self.vocab_size}: the prompt holds a token the model has no embedding for"
+            )
+        return tuple(token_ids)
 
     def need_tokenizer(self) -> Any:
         if self.tokenizer is None:

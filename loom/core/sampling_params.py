@@ -13,6 +13,9 @@ from loom.core.errors import InvalidRequestError
 MAX_LOGPROBS = 20
 MAX_STOP_STRINGS = 16
 MAX_STOP_STRING_CHARS = 256
+MAX_STOP_TOKEN_IDS = 64
+# Below this a temperature is greedy (as in vLLM): dividing logits by 1e-40 overflows to inf.
+GREEDY_BELOW = 1e-5
 
 
 def check_range(field: str, value: float, lo: float, hi: float) -> None:
@@ -22,7 +25,7 @@ def check_range(field: str, value: float, lo: float, hi: float) -> None:
 
 @attrs.frozen(kw_only=True)
 class SamplingParams:
-    temperature: float = 1.0  # 0 means greedy
+    temperature: float = 1.0  # 0 (or below GREEDY_BELOW) means greedy
     top_p: float = 1.0  # (0, 1]; 1 disables
     top_k: int = 0  # 0 disables
     min_p: float = 0.0  # [0, 1]; 0 disables
@@ -61,6 +64,8 @@ class SamplingParams:
                 raise InvalidRequestError(
                     f"each stop string must have 1 to {MAX_STOP_STRING_CHARS} characters"
                 )
+        if len(self.stop_token_ids) > MAX_STOP_TOKEN_IDS:
+            raise InvalidRequestError(f"stop_token_ids holds at most {MAX_STOP_TOKEN_IDS} ids")
         for token_id in self.stop_token_ids:
             check_range("stop_token_ids", token_id, 0, 1 << 31)
         if self.logprobs is not None:
@@ -68,7 +73,7 @@ class SamplingParams:
 
     @property
     def greedy(self) -> bool:
-        return self.temperature == 0.0
+        return self.temperature < GREEDY_BELOW
 
     @property
     def has_penalties(self) -> bool:

@@ -10,9 +10,13 @@ after a step samples a new token.
 Order: running requests first, in arrival order, skipping paused ones (their consumer's buffer
 is full). When a running request cannot get blocks, a victim is preempted: its blocks are freed,
 its progress forgotten (it recomputes prompt + output later) and it goes back to the front of the
-queue. Victims: paused requests first, then the latest arrival. Waiting requests are admitted
-only in steps that preempted nothing; a preempted request resumes only when blocks for all its
-tokens are free, so that it does not thrash.
+queue. Victims: paused requests first (the longest paused first), then the latest arrival.
+Waiting requests are admitted only in steps that preempted nothing; a preempted request resumes
+only when blocks for all its tokens are free, so that it does not thrash.
+
+A client that stops reading holds nothing others need: a paused request does not count against
+`max_num_seqs` nor the waiting-queue limits, and when a waiting request lacks blocks, paused
+requests are preempted to make room (they recompute once their consumer reads again).
 
 The step goes one way: `schedule` makes a `SchedulerOutput` (plain data), the model runner
 returns a `ModelRunnerOutput`, and `update` applies it: computed tokens, then each sampled token
@@ -55,8 +59,16 @@ class Scheduler:
     def has_unfinished(self) -> bool:
         return bool(self.requests)
 
+    def num_active(self) -> int:
+        """Running requests that are not paused: what `max_num_seqs` bounds."""
+        return sum(not r.paused for r in self.running)
+
+    def num_waiting(self) -> int:
+        """Queued requests that are not paused: what the waiting-queue limits bound."""
+        return sum(not r.paused for r in self.waiting)
+
     def num_waiting_tokens(self) -> int:
-        return sum(r.num_prompt_tokens for r in self.waiting)
+        return sum(r.num_prompt_tokens for r in self.waiting if not r.paused)
 
     def schedule(self, now: float) -> SchedulerOutput | None:
         budget = self.config.max_num_batched_tokens
@@ -95,8 +107,12 @@ class Scheduler:
 
     def pick_victim(self, exclude: list[Request]) -> Request:
         candidates = [r for r in self.running if r not in exclude]
-        paused = [r for r in candidates if r.paused]
-        return paused[0] if paused else candidates[-1]
+        return self.longest_paused(candidates) or candidates[-1]
+
+    @staticmethod
+    def longest_paused(requests: list[Request]) -> Request | None:
+        paused = [r for r in requests if r.paused_since is not None]
+        return min(paused, key=lambda r: r.paused_since or 0.0, default=None)
 
     def preempt(self, request: Request) -> None:
         self.block_manager.free(request.request_id)
@@ -109,22 +125,38 @@ class Scheduler:
 
     def admit_waiting(self, chosen: list[tuple[Request, int]], budget: int) -> None:
         for request in list(self.waiting):
-            if budget == 0 or len(self.running) >= self.config.max_num_seqs:
+            if budget == 0 or self.num_active() >= self.config.max_num_seqs:
                 return
             if request.paused:
                 continue  # preempted while its consumer was not reading: wait for a resume
-            if request.status is RequestStatus.PREEMPTED and not self.block_manager.can_allocate(
+            if request.status is RequestStatus.PREEMPTED and not self.make_room(
                 request.request_id, request.num_tokens + 1
             ):
                 return
             num_new = min(request.num_tokens, budget)
-            if not self.block_manager.allocate(request.request_id, num_new):
+            if not self.make_room(request.request_id, num_new):
                 return
+            self.block_manager.allocate(request.request_id, num_new)
             self.waiting.remove(request)
             request.status = RequestStatus.RUNNING
             self.running.append(request)
             chosen.append((request, num_new))
             budget -= num_new
+
+    def make_room(self, request_id: str, num_tokens: int) -> bool:
+        """Whether blocks for `num_tokens` of a waiting request are free, after preempting paused
+        requests if they hold enough (and only then)."""
+        bm = self.block_manager
+        needed = bm.num_blocks_needed(request_id, num_tokens)
+        paused = [r for r in self.running if r.paused]
+        held = sum(len(bm.block_table(r.request_id)) for r in paused)
+        if needed > bm.num_free_blocks + held:
+            return False
+        for victim in sorted(paused, key=lambda r: r.paused_since or 0.0):  # longest paused first
+            if needed <= bm.num_free_blocks:
+                break
+            self.preempt(victim)
+        return True
 
     def scheduled(self, request: Request, num_new: int) -> ScheduledSequence:
         start = request.num_computed_tokens
@@ -155,6 +187,8 @@ class Scheduler:
             request = self.requests.get(request_id)
             if request is None:
                 continue
+            if request.deadline is not None and now >= request.deadline:
+                continue  # too late: dropped; `expired` finishes it as DEADLINE next
             request.output_token_ids.append(token_id)
             if request.first_token_time is None:
                 request.first_token_time = now

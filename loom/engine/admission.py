@@ -3,14 +3,17 @@
     submit ── refused at once: queue full, prompt too large
        │
        ▼ admission channel (bounded by max_waiting_requests)
-    admission task ── tokenise (text and chat in a worker thread), check the prompt and the
-       │              queued prompt tokens
+    admission task ── token ids: checked at once, in order
+       │              text and chat: tokenised in a worker thread, in a task of their own, so
+       │              that one long prompt holds up no one
+       ▼
+    checks: the prompt, the context length, the queued prompt tokens
        │
        ▼ admit(submission, request): the engine hands the request to the scheduler
 
-A submission is pending from `submit` until the task admits or refuses it. Aborting it removes it
-from `pending`, and the task then drops it: the task admits only the very submission still
-pending under its id. A refusal found by the task ends the submission's stream with the error.
+A submission is pending from `submit` until it is admitted or refused. Aborting it removes it
+from `pending`; it is then dropped: only the very submission still pending under its id is
+admitted. A refusal found after `submit` returned ends the submission's stream with the error.
 """
 
 from __future__ import annotations
@@ -27,10 +30,12 @@ from loom.core.prompt import Prompt, PromptChecker, needs_tokenizer
 from loom.core.request import Request
 from loom.core.sampling_params import SamplingParams
 from loom.core.scheduler import Scheduler
-from loom.engine.config import EngineConfig
+from loom.engine.config import CHARS_PER_TOKEN, EngineConfig
 from loom.engine.request_stream import RequestStream, in_trio
 from loom.model.loader import LoadedModel
 from loom.model.model_runner import ModelRunner
+
+Admit = Callable[["Submission", Request], None]
 
 
 @attrs.frozen(kw_only=True)
@@ -50,22 +55,24 @@ class Admission:
         self.scheduler = scheduler
         self.send, self.recv = trio.open_memory_channel[Submission](config.max_waiting_requests)
         self.pending: dict[str, Submission] = {}  # submitted, not yet admitted nor refused
-        # In the channel or being admitted, aborted ones included: never above the channel's
-        # capacity, so that `send_nowait` cannot block.
+        # Sent and not yet handled, aborted ones included: never above the channel's capacity,
+        # so that `send_nowait` cannot block.
         self.num_unhandled = 0
+        self.tokenizers = trio.CapacityLimiter(2)  # worker threads tokenising at once
         self.done = False  # the channel is closed and every submission in it handled
 
     @classmethod
     def for_model(
         cls, config: EngineConfig, loaded: LoadedModel, runner: ModelRunner, scheduler: Scheduler
     ) -> Admission:
+        # Never more tokens than the whole pool holds (block 0 is the null block).
+        max_model_len = min(runner.max_model_len, (runner.num_blocks - 1) * runner.block_size)
         prompts = PromptChecker(
             tokenizer=loaded.tokenizer,
             vocab_size=runner.vocab_size,
-            # Never more tokens than the whole pool holds (block 0 is the null block).
-            max_model_len=min(runner.max_model_len, (runner.num_blocks - 1) * runner.block_size),
+            max_model_len=max_model_len,
             eos_token_ids=loaded.eos_token_ids,
-            max_prompt_chars=config.max_prompt_chars,
+            max_prompt_chars=config.max_prompt_chars or max_model_len * CHARS_PER_TOKEN,
         )
         return cls(config, prompts, scheduler)
 
@@ -81,7 +88,7 @@ class Admission:
         """Queue a request under a new id of the engine's making, or refuse it at once. The
         stream's consumer reaches the engine's `abort` and `resume` for this id alone."""
         self.prompts.check_size(prompt)
-        num_queued = len(self.scheduler.waiting) + self.num_unhandled
+        num_queued = self.scheduler.num_waiting() + self.num_unhandled
         if num_queued >= self.config.max_waiting_requests:
             raise EngineOverloadedError(
                 f"the waiting queue is full: {num_queued} requests "
@@ -120,40 +127,54 @@ class Admission:
                 submission.stream.fail(error)
             self.pending.clear()
 
-    async def run(self, admit: Callable[[Submission, Request], None]) -> None:
-        """The admission task: until the channel is closed and emptied."""
-        async with self.recv:
+    async def run(self, admit: Admit) -> None:
+        """The admission task: until the channel is closed and every submission handled."""
+        async with self.recv, trio.open_nursery() as nursery:
             async for submission in self.recv:
-                try:
-                    if self.pending.get(submission.request_id) is submission:
-                        await self.admit_one(submission, admit)
-                finally:
-                    self.num_unhandled -= 1
+                if self.pending.get(submission.request_id) is not submission:
+                    self.handled(submission)  # aborted while queued
+                elif needs_tokenizer(submission.prompt):
+                    nursery.start_soon(self.tokenize_then_admit, submission, admit)
+                else:
+                    self.admit_tokens(
+                        submission, partial(self.prompts.tokenize, submission.prompt), admit
+                    )
         self.done = True
 
-    async def admit_one(
-        self, submission: Submission, admit: Callable[[Submission, Request], None]
-    ) -> None:
+    async def tokenize_then_admit(self, submission: Submission, admit: Admit) -> None:
+        tokenize = partial(self.prompts.tokenize, submission.prompt)
         try:
-            prompt = submission.prompt
-            if needs_tokenizer(prompt):
-                token_ids = await trio.to_thread.run_sync(self.prompts.tokenize, prompt)
-            else:  # token ids: checked at once, so that a burst is admitted in one go
-                token_ids = self.prompts.tokenize(prompt)
+            token_ids = await trio.to_thread.run_sync(tokenize, limiter=self.tokenizers)
+        except Exception as exc:  # invalid, or a tokenizer failure
+            if self.handled(submission):
+                submission.stream.fail(exc)
+            return
+        self.admit_tokens(submission, lambda: token_ids, admit)
+
+    def admit_tokens(
+        self, submission: Submission, tokenize: Callable[[], tuple[int, ...]], admit: Admit
+    ) -> None:
+        """Check the tokenised prompt and hand the request on, or end its stream with why not."""
+        try:
             request = self.prompts.request(
                 submission.request_id,
-                token_ids,
+                tokenize(),
                 submission.sampling,
                 arrival_time=submission.arrival_time,
                 deadline=submission.deadline,
             )
             self.check_backlog(request.num_prompt_tokens)
-        except Exception as exc:  # invalid, overloaded, or a tokenizer failure
-            if self.pending.pop(submission.request_id, None) is submission:
+        except Exception as exc:  # invalid or overloaded
+            if self.handled(submission):
                 submission.stream.fail(exc)
             return
-        if self.pending.pop(submission.request_id, None) is submission:  # not aborted meanwhile
+        if self.handled(submission):  # not aborted meanwhile
             admit(submission, request)
+
+    def handled(self, submission: Submission) -> bool:
+        """Done with a submission: whether it was still pending (not aborted, not stopped)."""
+        self.num_unhandled -= 1
+        return self.pending.pop(submission.request_id, None) is submission
 
     def check_backlog(self, num_prompt: int) -> None:
         num_queued = self.scheduler.num_waiting_tokens()

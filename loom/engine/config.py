@@ -7,6 +7,10 @@ import attrs
 from loom.core.config import CacheConfig, SchedulerConfig
 from loom.core.setting import above, at_least, setting
 
+# Far more than any tokenizer's average (about 4 for English), so that only a prompt that could
+# never fit the context is refused before it is tokenised.
+CHARS_PER_TOKEN = 16
+
 
 @attrs.frozen(kw_only=True)
 class EngineConfig:
@@ -18,8 +22,11 @@ class EngineConfig:
     max_waiting_tokens: int = setting(
         1 << 20, "queue limit in queued prompt tokens", check=at_least(1)
     )
-    max_prompt_chars: int = setting(
-        1 << 20, "longest prompt text accepted, checked before tokenising", check=at_least(1)
+    max_prompt_chars: int | None = setting(
+        None,
+        "longest prompt accepted, in characters (chat roles and contents counted), checked "
+        f"before tokenising (default: {CHARS_PER_TOKEN} per token of the context length)",
+        check=at_least(1),
     )
     output_buffer_size: int = setting(
         64, "outputs buffered per request before it pauses", check=at_least(1)

@@ -22,6 +22,7 @@ blocks are freed.
 from __future__ import annotations
 
 import enum
+import logging
 from collections.abc import AsyncIterator, Callable
 from contextlib import aclosing, asynccontextmanager
 
@@ -44,6 +45,7 @@ from loom.engine.stats import EngineStats, ModelInfo
 from loom.model.loader import LoadedModel
 from loom.model.model_runner import ModelRunner
 
+log = logging.getLogger(__name__)
 RunnerFactory = Callable[[LoadedModel, CacheConfig], ModelRunner]
 
 
@@ -86,7 +88,9 @@ class Engine:
                 nursery.start_soon(self.admission_task)
                 nursery.start_soon(self.stepping_loop)
         except Exception as exc:
-            reason = f"the engine crashed: {exc!r}"
+            log.exception("the engine crashed")
+            # Clients get the kind of fault only: its message may hold another client's data.
+            reason = f"the engine crashed ({type(innermost(exc)).__name__}); see the server log"
             raise
         finally:
             self.stop(reason)
@@ -243,3 +247,10 @@ class Engine:
         for stream in self.streams.values():  # finished in a step that then crashed mid-publish
             stream.fail(EngineDeadError(reason))
         self.streams.clear()
+
+
+def innermost(exc: BaseException) -> BaseException:
+    """The first exception inside nested exception groups (a crash comes out of nurseries)."""
+    while isinstance(exc, BaseExceptionGroup) and exc.exceptions:
+        exc = exc.exceptions[0]
+    return exc

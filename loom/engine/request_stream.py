@@ -61,6 +61,7 @@ class RequestStream:
         self.buffer: deque[RequestOutput] = deque()
         self.error: BaseException | None = None
         self.closed = False  # the final output or an error was pushed
+        self.finish_reason: FinishReason | None = None  # the final output's, once pushed
         self.paused = False
         self.wake: Callable[[], None] = nothing  # set by the consumer
         self.on_drained = on_drained
@@ -71,7 +72,7 @@ class RequestStream:
         """Engine side: append without waiting. True when the buffer is now full."""
         with self.lock:
             self.buffer.append(output)
-            self.closed = output.finished
+            self.closed, self.finish_reason = output.finished, output.finish_reason
             full = len(self.buffer) >= self.capacity and not self.closed
             self.paused = self.paused or full
         self.wake()
@@ -80,12 +81,6 @@ class RequestStream:
     def abort(self) -> None:
         """Consumer side: done reading. The engine aborts the request unless it has finished."""
         self.on_abort()
-
-    def final_reason(self) -> FinishReason | None:
-        """How the request ended, once the final output is pushed and not yet taken."""
-        with self.lock:
-            last = self.buffer[-1] if self.buffer else None
-        return last.finish_reason if last is not None else None
 
     def fail(self, error: BaseException) -> None:
         with self.lock:

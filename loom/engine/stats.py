@@ -12,8 +12,8 @@ from loom.model.model_runner import ModelRunner
 @attrs.frozen(kw_only=True)
 class EngineStats:
     num_running: int  # scheduled and not paused
-    num_waiting: int  # queued, or still being tokenised
-    num_paused: int  # their consumer's buffer is full
+    num_waiting: int  # queued (not paused), or still being admitted
+    num_paused: int  # their consumer's buffer is full (running, or preempted while paused)
     num_total_blocks: int
     num_free_blocks: int
     num_preemptions: int
@@ -24,11 +24,10 @@ class EngineStats:
 
     @classmethod
     def of(cls, scheduler: Scheduler, outputs: OutputProcessor, *, num_pending: int) -> EngineStats:
-        requests = scheduler.requests.values()
         return cls(
-            num_running=sum(not r.paused for r in scheduler.running),
-            num_waiting=len(scheduler.waiting) + num_pending,
-            num_paused=sum(r.paused for r in requests),
+            num_running=scheduler.num_active(),
+            num_waiting=scheduler.num_waiting() + num_pending,
+            num_paused=sum(r.paused for r in scheduler.requests.values()),
             num_total_blocks=scheduler.block_manager.num_total_blocks,
             num_free_blocks=scheduler.block_manager.num_free_blocks,
             num_preemptions=scheduler.num_preemptions,

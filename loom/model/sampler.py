@@ -21,6 +21,7 @@ from loom.core.request_output import Logprobs, TokenLogprob
 from loom.core.step import SamplingInput
 
 MASK_64 = (1 << 64) - 1
+LOGIT_CAP = 1e30  # / GREEDY_BELOW (1e-5) = 1e35, below float32's 3.4e38
 
 
 @attrs.frozen(kw_only=True)
@@ -63,7 +64,11 @@ class Sampler:
         repetition = self.column([r.params.repetition_penalty for r in rows])
         penalised = torch.where(logits > 0, logits / repetition, logits * repetition)
         logits = torch.where(seen > 0, penalised, logits)
-        return logits - frequency * counts - presence * (counts > 0).float()
+        logits = logits - frequency * counts - presence * (counts > 0).float()
+        # A tiny repetition penalty divides a positive logit into inf, and inf - inf in the
+        # softmax is NaN: cap the logits, high enough that the capped one still wins and low
+        # enough that a division by the smallest sampling temperature stays finite.
+        return logits.clamp(max=LOGIT_CAP)
 
     def apply_min_tokens(self, logits: torch.Tensor, rows: Sequence[SamplingInput]) -> torch.Tensor:
         """Forbid EOS and the stop token ids until a request has its min_tokens."""

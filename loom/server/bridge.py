@@ -29,25 +29,35 @@ class TrioBridge:
         self.trio_token = trio_token
         self.loop = loop
 
-    async def call(self, fn: Callable[..., T], *args: Any) -> T:
-        """Run `fn(*args)` in the trio thread; its result or exception comes back here."""
+    async def call(
+        self, fn: Callable[..., T], *args: Any, orphan: Callable[[T], object] | None = None
+    ) -> T:
+        """Run `fn(*args)` in the trio thread; its result or exception comes back here. Once
+        asked, the call happens even if the caller is cancelled meanwhile: then `orphan(result)`
+        undoes what it made (in the asyncio thread, or the trio thread if this loop is gone)."""
         future: asyncio.Future[T] = self.loop.create_future()
 
         def settle(result: T | None, error: BaseException | None) -> None:
-            if future.done():
-                return  # the awaiting handler was cancelled meanwhile
-            if error is not None:
-                future.set_exception(error)
-            else:
-                future.set_result(result)  # type: ignore[arg-type]
+            if not future.done():
+                if error is not None:
+                    future.set_exception(error)
+                else:
+                    future.set_result(result)  # type: ignore[arg-type]
+            elif error is None and orphan is not None:  # the caller was cancelled meanwhile
+                orphan(result)  # type: ignore[arg-type]
 
         def run() -> None:
+            result: T | None = None
+            error: Exception | None = None
             try:
                 result = fn(*args)
             except Exception as exc:
-                self.loop.call_soon_threadsafe(settle, None, exc)
-            else:
-                self.loop.call_soon_threadsafe(settle, result, None)
+                error = exc
+            try:
+                self.loop.call_soon_threadsafe(settle, result, error)
+            except RuntimeError:  # the loop has closed: its handlers are gone
+                if error is None and orphan is not None:
+                    orphan(result)  # type: ignore[arg-type]
 
         try:
             self.trio_token.run_sync_soon(run)

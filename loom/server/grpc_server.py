@@ -21,15 +21,15 @@ from grpclib.reflection.service import ServerReflection
 
 from loom.engine.engine import Engine
 from loom.server.bridge import Count, TrioBridge
+from loom.server.config import ServerConfig
 from loom.server.grpclib_server import GrpclibServer
 from loom.server.servicer import LoomServicer
 
 
 class GrpcServer:
-    def __init__(self, engine: Engine, *, host: str, port: int, send_timeout: float) -> None:
+    def __init__(self, engine: Engine, config: ServerConfig, *, send_timeout: float) -> None:
         self.engine = engine
-        self.host = host
-        self.port = port
+        self.config = config
         self.send_timeout = send_timeout
         self.loop: asyncio.AbstractEventLoop | None = None
         self.stop_event: asyncio.Event | None = None
@@ -74,10 +74,18 @@ class GrpcServer:
         if self.stop_requested:
             return
         self.health.set(False)
-        self.servicer = LoomServicer(self.engine, TrioBridge(token, self.loop), self.send_timeout)
+        self.servicer = LoomServicer(
+            self.engine,
+            TrioBridge(token, self.loop),
+            send_timeout=self.send_timeout,
+            max_request_bytes=self.config.max_request_bytes,
+        )
         health = Health({self.servicer: [self.health]})
-        self.server = GrpclibServer(ServerReflection.extend([self.servicer, health]))
-        await self.server.start(self.host, self.port)
+        self.server = GrpclibServer(
+            ServerReflection.extend([self.servicer, health]),
+            max_streams_per_connection=self.config.max_streams_per_connection,
+        )
+        await self.server.start(self.config.host, self.config.port)
         token.run_sync_soon(on_bound, self.server.port)
         try:
             await self.stop_event.wait()
@@ -102,12 +110,14 @@ class GrpcServer:
 
     def begin_drain(self) -> None:
         """New calls get UNAVAILABLE and health says NOT_SERVING (probes see it: the port still
-        listens until `stop_listening`)."""
+        listens until `stop_listening`); idle connections get a GOAWAY and are closed."""
 
         def drain() -> None:
             if self.servicer is not None:
                 self.servicer.draining = True
             self.health.set(False)
+            if self.server is not None:
+                self.server.close_idle_connections()
 
         self.in_loop(drain)
 

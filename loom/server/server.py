@@ -18,35 +18,20 @@ from __future__ import annotations
 import logging
 import signal
 
-import attrs
 import trio
 
-from loom.core.setting import above, in_range, setting
 from loom.engine.engine import Engine, EngineState
+from loom.server.config import ServerConfig
 from loom.server.grpc_server import GrpcServer
 
 log = logging.getLogger(__name__)
-
-
-@attrs.frozen(kw_only=True)
-class ServerConfig:
-    host: str = setting("127.0.0.1", "address to listen on")
-    port: int = setting(50051, "port to listen on; 0 picks a free one", check=in_range(0, 65535))
-    drain_timeout: float = setting(
-        30.0, "seconds in-flight requests get to finish on SIGTERM", check=above(0)
-    )
-    log_level: str = setting(
-        "info", "how much to log", choices=("debug", "info", "warning", "error")
-    )
 
 
 class LoomServer:
     def __init__(self, engine: Engine, config: ServerConfig) -> None:
         self.engine = engine
         self.config = config
-        self.grpc = GrpcServer(
-            engine, host=config.host, port=config.port, send_timeout=engine.config.stall_timeout
-        )
+        self.grpc = GrpcServer(engine, config, send_timeout=engine.config.stall_timeout)
         self.engine_scope = trio.CancelScope()
         self.listening = trio.Event()  # `port` is bound (the model may still be loading)
         self.port: int | None = None

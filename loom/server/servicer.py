@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import uuid
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 
@@ -28,6 +27,7 @@ from loom.engine.engine import Engine
 from loom.engine.request_stream import RequestStream
 from loom.server import wire
 from loom.server.bridge import Count, TrioBridge
+from loom.server.grpclib_server import recv_bounded
 from loom.v1 import loom_pb2 as pb
 from loom.v1.loom_grpc import LoomBase
 
@@ -65,34 +65,40 @@ def status_errors() -> Iterator[None]:
 
 
 class LoomServicer(LoomBase):
-    def __init__(self, engine: Engine, bridge: TrioBridge, send_timeout: float) -> None:
+    def __init__(
+        self, engine: Engine, bridge: TrioBridge, *, send_timeout: float, max_request_bytes: int
+    ) -> None:
         self.engine = engine
         self.bridge = bridge
         self.send_timeout = send_timeout  # how long a finished request waits on a slow client
+        self.max_request_bytes = max_request_bytes
         self.draining = False
         self.num_in_flight = Count()  # Generate handlers running
 
     async def Generate(self, stream: GenerateStream) -> None:
-        request = await stream.recv_message()
+        request = await recv_bounded(stream, self.max_request_bytes)
         if request is None:
             raise GRPCError(Status.INVALID_ARGUMENT, "no request message")
         if self.draining:
             raise GRPCError(Status.UNAVAILABLE, "the server is draining")
-        # The client's id is a label, echoed back and logged; the engine keys requests by its own.
-        request_id = request.request_id or uuid.uuid4().hex
         self.num_in_flight.add(1)
+        request_id = ""
         try:
             with status_errors():
+                # The client's id is a label, echoed and logged: the engine keys by its own ids.
+                request_id = wire.request_id_from(request)
                 prompt = wire.prompt_from(request)
                 sampling = wire.sampling_from(request.sampling)
                 timeout = stream.deadline.time_remaining() if stream.deadline else None
-                outputs = await self.bridge.call(self.submit_until, prompt, sampling, timeout)
+                outputs = await self.bridge.call(
+                    self.submit_until, prompt, sampling, timeout, orphan=RequestStream.abort
+                )
                 try:
                     await self.relay(stream, outputs, request_id)
                 finally:
                     outputs.abort()  # a no-op for a request that finished
         except ClientGoneError:
-            log.info("request %s: client stopped reading; stream reset", request_id)
+            log.info("request %r: client stopped reading; stream reset", request_id)
         finally:
             self.num_in_flight.add(-1)
 
@@ -144,24 +150,22 @@ class LoomServicer(LoomBase):
         event: asyncio.Event,
         message: pb.GenerateResponse,
     ) -> None:
-        """Send one message; give up on a client that blocks it after its request has ended."""
+        """Send one message. Once the request has ended (before or during the send), a client
+        that does not take it within `send_timeout` (at once, if it was aborted as stalled) is
+        given up on: the send is cancelled and the stream reset (RST_STREAM)."""
         sending = asyncio.ensure_future(stream.send_message(message))
         try:
-            while not sending.done():
+            while not outputs.closed and not sending.done():
                 waiter = asyncio.ensure_future(event.wait())
                 await asyncio.wait({sending, waiter}, return_when=asyncio.FIRST_COMPLETED)
                 waiter.cancel()
-                if sending.done() or not outputs.closed:
-                    event.clear()  # new outputs stay buffered until this send is done
-                    continue
-                patience = (
-                    0.0 if outputs.final_reason() is FinishReason.STALLED else self.send_timeout
-                )
-                done, _ = await asyncio.wait({sending}, timeout=patience)
-                if not done:
-                    sending.cancel()
-                    await stream.cancel()  # RST_STREAM
-                    raise ClientGoneError
+                event.clear()  # new outputs stay buffered until this send is done
+            stalled = outputs.finish_reason is FinishReason.STALLED
+            done, _ = await asyncio.wait({sending}, timeout=0.0 if stalled else self.send_timeout)
+            if not done:
+                sending.cancel()
+                await stream.cancel()  # RST_STREAM
+                raise ClientGoneError
             sending.result()
         finally:
             sending.cancel()

@@ -5,6 +5,7 @@ by name."""
 
 from __future__ import annotations
 
+import uuid
 from collections.abc import Sequence
 
 import attrs
@@ -16,6 +17,7 @@ from loom.core.sampling_params import SamplingParams
 from loom.engine.stats import EngineStats, ModelInfo
 from loom.v1 import loom_pb2 as pb
 
+MAX_REQUEST_ID_CHARS = 128
 FINISH_REASONS = {
     FinishReason.STOP: pb.FINISH_REASON_STOP,
     FinishReason.LENGTH: pb.FINISH_REASON_LENGTH,
@@ -33,6 +35,16 @@ OPTIONAL_SAMPLING_FIELDS = (
     "max_tokens",
     "logprobs",
 )
+
+
+def request_id_from(request: pb.GenerateRequest) -> str:
+    """The client's label for its request (one the server makes, when empty)."""
+    if len(request.request_id) > MAX_REQUEST_ID_CHARS:
+        raise InvalidRequestError(
+            f"request_id has {len(request.request_id)} characters; "
+            f"the limit is {MAX_REQUEST_ID_CHARS}"
+        )
+    return request.request_id or uuid.uuid4().hex
 
 
 def prompt_from(request: pb.GenerateRequest) -> Prompt:

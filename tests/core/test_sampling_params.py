@@ -37,6 +37,7 @@ NAN, INF = math.nan, math.inf
         ("stop", ("",), "each stop string must have 1 to 256 characters"),
         ("stop", ("x",) * 17, "stop holds at most 16 strings"),
         ("stop_token_ids", (-3,), r"stop_token_ids must be in \[0, "),
+        ("stop_token_ids", tuple(range(65)), "stop_token_ids holds at most 64 ids"),
     ],
 )
 def test_sampling_params_rejects_bad_values_naming_field_and_limit(
@@ -51,8 +52,10 @@ def test_sampling_params_min_tokens_cannot_exceed_max_tokens() -> None:
         SamplingParams(max_tokens=4, min_tokens=5)
 
 
-def test_sampling_params_defaults_are_valid_and_greedy_is_temperature_zero() -> None:
+def test_sampling_params_defaults_are_valid_and_greedy_is_temperature_near_zero() -> None:
     assert not SamplingParams().greedy
     assert SamplingParams(temperature=0).greedy
+    assert SamplingParams(temperature=1e-40).greedy  # dividing by it would overflow
+    assert not SamplingParams(temperature=1e-4).greedy
     assert not SamplingParams().has_penalties
     assert SamplingParams(presence_penalty=0.5).has_penalties

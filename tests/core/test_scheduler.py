@@ -110,18 +110,35 @@ def test_scheduler_resumes_a_preempted_request_only_when_all_its_tokens_fit() ->
 
 
 def test_scheduler_admits_nothing_in_a_step_that_preempted() -> None:
-    scheduler = make_scheduler(num_blocks=5, block_size=4)
+    scheduler = make_scheduler(num_blocks=5, block_size=4)  # 4 usable blocks
+    scheduler.add_request(make_request("a", 4))
+    scheduler.add_request(make_request("b", 4))
+    step(scheduler)
+    scheduler.add_request(make_request("c", 1))
+    output = step_until_preemption(scheduler)
+    # "a" needed a third block: "b", the latest arrival, was preempted and freed 2 blocks; "a"
+    # took one, and "c" would fit in the other, but a step that preempted admits nothing.
+    assert shape(output) == {"a": 1}
+    assert scheduler.block_manager.num_free_blocks == 1
+    assert [r.request_id for r in scheduler.waiting] == ["b", "c"]
+
+
+def test_scheduler_a_waiting_request_takes_the_blocks_and_slot_of_paused_ones() -> None:
+    scheduler = make_scheduler(num_blocks=5, block_size=4, max_num_seqs=2)
     scheduler.add_request(make_request("a", 8))  # 2 blocks
     scheduler.add_request(make_request("b", 4))  # 1 block
     step(scheduler)
-    scheduler.pause(scheduler.running[0], now=0.0)  # "a" is paused: the victim to come
-    scheduler.add_request(make_request("c", 1))
-    output = step_until_preemption(scheduler)
-    # Preempting "a" freed 2 blocks; "b" took one, and "c" would fit in the other, but a step
-    # that preempted admits nothing.
-    assert shape(output) == {"b": 1}
-    assert scheduler.block_manager.num_free_blocks == 1
-    assert "c" in shape(step(scheduler))
+    scheduler.pause(scheduler.running[0], now=0.0)  # "a"'s consumer stops reading
+    scheduler.add_request(make_request("c", 4))
+    output = step(scheduler)
+    # "a" no longer counts against max_num_seqs=2, and its blocks go to "c".
+    assert shape(output) == {"b": 1, "c": 4}
+    a = scheduler.requests["a"]
+    assert (a.status, a.paused, a.num_computed_tokens) == (RequestStatus.PREEMPTED, True, 0)
+    assert scheduler.num_active() == 2
+    assert scheduler.num_waiting() == 0  # a paused request does not hold a place in the queue
+    assert scheduler.resume("a")
+    assert scheduler.num_waiting() == 1
 
 
 def test_scheduler_finish_is_idempotent_and_frees_blocks() -> None:

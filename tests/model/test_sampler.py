@@ -121,6 +121,21 @@ def test_sampler_min_tokens_forbids_eos_and_stop_ids_until_reached() -> None:
     assert sampler.sample(logits_rows(BASE), [reached]).token_ids == [1]
 
 
+def test_sampler_tiny_temperature_and_penalty_stay_finite() -> None:
+    """temperature=1e-40 and repetition_penalty=1e-40 are valid floats on the wire; dividing
+    logits by them overflows to inf, and a NaN distribution always picked token 0."""
+    sampler = Sampler(VOCAB, CPU)
+    torch.manual_seed(0)
+    cold = sampler.sample(
+        logits_rows(*[BASE] * 50), requests_with(*[SamplingParams(temperature=1e-40)] * 50)
+    )
+    assert set(cold.token_ids) == {1}  # the argmax
+    tiny = SamplingParams(temperature=1.0, repetition_penalty=1e-40)
+    harsh = sampler.sample(logits_rows(*[BASE] * 200), requests_with(*[tiny] * 200))
+    # Prompt tokens 1, 2, 3 have positive logits, each divided by 1e-40: they share the mass.
+    assert set(harsh.token_ids) == {1, 2, 3}
+
+
 def test_sampler_logprobs_of_the_chosen_token_and_the_top_alternatives() -> None:
     sampler = Sampler(VOCAB, CPU)
     reqs = requests_with(

@@ -26,11 +26,12 @@ from loom.core.sampling_params import SamplingParams
 from loom.engine.config import EngineConfig
 from loom.engine.engine import Engine
 from loom.model.loader import LoadedModel
-from loom.server.server import LoomServer, ServerConfig
+from loom.server.config import ServerConfig
+from loom.server.server import LoomServer
 from loom.v1 import loom_pb2 as pb
 from loom.v1.loom_grpc import LoomStub
 from tests.conftest import tiny_model
-from tests.faults import failing_at
+from tests.faults import calling_before_each_step, failing_at
 from tests.greedy import reference_tokens
 from tests.grpc_client import (
     HOST,
@@ -120,6 +121,14 @@ async def test_server_streams_text_for_text_and_chat_prompts(
             assert (info.dtype, info.device, info.block_size) == ("float32", "cpu", 16)
 
 
+def chat(messages: list[tuple[str, str]]) -> pb.GenerateRequest:
+    return pb.GenerateRequest(
+        messages=pb.ChatMessages(
+            messages=[pb.ChatMessage(role=role, content=content) for role, content in messages]
+        )
+    )
+
+
 BAD_REQUESTS = [
     (pb.GenerateRequest(text=""), "prompt text must not be empty"),
     (pb.GenerateRequest(), "prompt is required"),
@@ -146,7 +155,15 @@ BAD_REQUESTS = [
         pb.GenerateRequest(token_ids=pb.TokenIds(ids=[1, 49152])),
         r"token_ids must be in \[0, 49152\)",
     ),
-    (pb.GenerateRequest(text="x" * (10 << 20)), "max_prompt_chars=1048576"),
+    # The tiny model's context is 512 tokens: 16 characters a token make 8192.
+    (pb.GenerateRequest(text="x" * 9000), "prompt has 9000 characters.*max_prompt_chars=8192"),
+    (chat([("x" * 5000, "hi"), ("user", "y" * 4000)]), "prompt has 9006 characters"),
+    (chat([("user", "")] * 600), "messages has 600 items; the context length is 512"),
+    (
+        pb.GenerateRequest(text="hi", sampling=pb.SamplingParams(stop_token_ids=range(65))),
+        "stop_token_ids holds at most 64 ids",
+    ),
+    (pb.GenerateRequest(text="hi", request_id="r" * 129), "request_id has 129 characters"),
 ]
 
 
@@ -164,20 +181,29 @@ async def test_server_answers_bad_input_with_invalid_argument_and_keeps_serving(
             assert dict(stats.finished) == {"length": 1}
 
 
+async def test_server_refuses_an_oversized_message_before_reading_it(
+    tiny_chat: LoadedModel,
+) -> None:
+    async with serving(tiny_chat) as (_, port):
+        with trio.fail_after(60):
+            huge = pb.GenerateRequest(text="x" * (5 << 20))  # 5 MiB: over the 4 MiB default
+            with pytest.raises(GRPCError, match="the limit is max_request_bytes=4194304") as info:
+                await in_asyncio(generate, port, huge)
+            assert info.value.status is Status.RESOURCE_EXHAUSTED
+            assert len(token_ids(await in_asyncio(generate, port, greedy([1, 2], 5)))) == 5
+
+
 async def test_server_refuses_exactly_the_excess_when_the_queue_is_full(
     tiny_chat: LoadedModel,
 ) -> None:
     queue_limit = 4
-    config = {
-        "max_waiting_requests": queue_limit,
-        "output_buffer_size": 2,
-        "scheduler": SchedulerConfig(max_num_seqs=1),
-    }
-    async with serving(tiny_chat, **config) as (server, port):
+    gate = threading.Event()  # the first step waits for it: everything else queues meanwhile
+    config = {"max_waiting_requests": queue_limit, "scheduler": SchedulerConfig(max_num_seqs=1)}
+    runner = calling_before_each_step(lambda _: gate.wait(30))
+    async with serving(tiny_chat, make_runner=runner, **config) as (server, port):
         with trio.fail_after(60):
-            # The only running slot is taken by a request whose client reads nothing: paused.
-            blocker = server.engine.submit([5, 6], SamplingParams(temperature=0, max_tokens=400))
-            await wait_paused(port)
+            blocker = server.engine.submit([5, 6], SamplingParams(temperature=0, max_tokens=5))
+            await wait_running(port)
             outcomes: list[object] = []
 
             async def one(i: int) -> None:
@@ -193,11 +219,17 @@ async def test_server_refuses_exactly_the_excess_when_the_queue_is_full(
                     nursery.start_soon(one, i)
                 while len(outcomes) < 2 * queue_limit:  # noqa: ASYNC110
                     await trio.sleep(0.02)
-                server.engine.abort(blocker.request_id)  # the queued requests now run
+                gate.set()  # the blocker's step ends; the queued requests run after it
             refused = [o for o in outcomes if o is Status.RESOURCE_EXHAUSTED]
             completed = [o for o in outcomes if isinstance(o, list) and len(o) == 6]
             assert (len(refused), len(completed)) == (2 * queue_limit, queue_limit)
+            assert len([o async for o in blocker.outputs()]) == 5
             await wait_all_blocks_free(port)
+
+
+async def wait_running(port: int) -> None:
+    while not (await in_asyncio(server_stats, port)).num_running:  # noqa: ASYNC110 (remote state)
+        await trio.sleep(0.02)
 
 
 async def wait_paused(port: int) -> None:
@@ -413,7 +445,7 @@ async def test_server_engine_crash_fails_live_streams_with_unavailable(
                 errors.append(exc)
     (error,) = errors
     assert error.status is Status.UNAVAILABLE
-    assert "injected fault" in (error.message or "")
+    assert error.message == "the engine crashed (RuntimeError); see the server log"
 
 
 async def test_server_request_id_is_a_label_two_clients_may_share(
