@@ -54,12 +54,18 @@ FAMILIES: dict[str, tuple[type, type]] = {
 
 
 def tiny_model(
-    family: str, seed: int = 0, *, vocab_size: int = 512, tokenizer: Any = None
+    family: str,
+    seed: int = 0,
+    *,
+    vocab_size: int = 512,
+    tokenizer: Any = None,
+    context: int = 512,
 ) -> LoadedModel:
     """A random-weight model; with a tokenizer, give `vocab_size=len(tokenizer)`."""
     config_cls, model_cls = FAMILIES[family]
     torch.manual_seed(seed)
-    model = model_cls(config_cls(**{**TINY_SHAPE, "vocab_size": vocab_size})).eval()
+    shape = {**TINY_SHAPE, "vocab_size": vocab_size, "max_position_embeddings": context}
+    model = model_cls(config_cls(**shape)).eval()
     return LoadedModel(
         name=f"tiny-{family}",
         model=model,

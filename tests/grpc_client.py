@@ -72,3 +72,21 @@ def greedy(token_ids: list[int], max_tokens: int, **sampling: Any) -> pb.Generat
             temperature=0, max_tokens=max_tokens, ignore_eos=True, **sampling
         ),
     )
+
+
+async def wait_all_blocks_free(port: int) -> pb.ServerStats:
+    while True:
+        stats = await in_asyncio(server_stats, port)
+        if stats.num_free_blocks == stats.num_total_blocks and not stats.num_running:
+            return stats
+        await trio.sleep(0.05)
+
+
+async def wait_running(port: int) -> None:
+    while not (await in_asyncio(server_stats, port)).num_running:  # noqa: ASYNC110 (remote state)
+        await trio.sleep(0.02)
+
+
+async def wait_paused(port: int) -> None:
+    while not (await in_asyncio(server_stats, port)).num_paused:  # noqa: ASYNC110 (remote state)
+        await trio.sleep(0.02)

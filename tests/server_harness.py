@@ -32,8 +32,11 @@ async def serving(
 
 
 @asynccontextmanager
-async def loading(loaded: LoadedModel) -> AsyncIterator[tuple[int, threading.Event]]:
-    """A server whose model load waits for the yielded event: its port, before it serves."""
+async def loading(
+    loaded: LoadedModel,
+) -> AsyncIterator[tuple[LoomServer, int, threading.Event]]:
+    """A server whose model load waits for the yielded event: itself and its port, bound
+    before it serves."""
     release = threading.Event()
 
     def slow_load() -> LoadedModel:
@@ -46,7 +49,7 @@ async def loading(loaded: LoadedModel) -> AsyncIterator[tuple[int, threading.Eve
         await server.listening.wait()  # bound, while the model still loads
         assert server.port is not None
         try:
-            yield server.port, release
+            yield server, server.port, release
         finally:
             release.set()
             nursery.cancel_scope.cancel()

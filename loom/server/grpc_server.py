@@ -75,10 +75,7 @@ class GrpcServer:
             return
         self.health.set(False)
         self.servicer = LoomServicer(
-            self.engine,
-            TrioBridge(token, self.loop),
-            send_timeout=self.send_timeout,
-            max_request_bytes=self.config.max_request_bytes,
+            self.engine, TrioBridge(token, self.loop), self.config, send_timeout=self.send_timeout
         )
         health = Health({self.servicer: [self.health]})
         self.server = GrpclibServer(

@@ -88,7 +88,7 @@ class LoomServer:
                         signal.Signals(signum).name,
                         self.config.drain_timeout,
                     )
-                    self.draining = True
+                    self.draining = True  # at once: a second signal exits
                     nursery.start_soon(self.drain)
                 else:
                     log.warning("%s again: exiting now", signal.Signals(signum).name)
@@ -97,6 +97,9 @@ class LoomServer:
                     return
 
     async def drain(self) -> None:
+        """What SIGTERM starts: take no new work, let in-flight streams end (at most
+        `drain_timeout`), then let `run` return."""
+        self.draining = True
         self.drain_deadline = trio.current_time() + self.config.drain_timeout
         self.grpc.begin_drain()
         self.engine.drain()

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+from collections import Counter
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 
@@ -27,6 +28,7 @@ from loom.engine.engine import Engine
 from loom.engine.request_stream import RequestStream
 from loom.server import wire
 from loom.server.bridge import Count, TrioBridge
+from loom.server.config import ServerConfig
 from loom.server.grpclib_server import recv_bounded
 from loom.v1 import loom_pb2 as pb
 from loom.v1.loom_grpc import LoomBase
@@ -66,22 +68,27 @@ def status_errors() -> Iterator[None]:
 
 class LoomServicer(LoomBase):
     def __init__(
-        self, engine: Engine, bridge: TrioBridge, *, send_timeout: float, max_request_bytes: int
+        self, engine: Engine, bridge: TrioBridge, config: ServerConfig, *, send_timeout: float
     ) -> None:
         self.engine = engine
         self.bridge = bridge
+        self.config = config
         self.send_timeout = send_timeout  # how long a finished request waits on a slow client
-        self.max_request_bytes = max_request_bytes
         self.draining = False
         self.num_in_flight = Count()  # Generate handlers running
+        self.streams_per_connection = Counter[object]()  # by the client's address and port
 
     async def Generate(self, stream: GenerateStream) -> None:
-        request = await recv_bounded(stream, self.max_request_bytes)
+        request = await recv_bounded(stream, self.config.max_request_bytes)
         if request is None:
             raise GRPCError(Status.INVALID_ARGUMENT, "no request message")
         if self.draining:
             raise GRPCError(Status.UNAVAILABLE, "the server is draining")
-        self.num_in_flight.add(1)
+        with self.in_flight(stream):
+            await self.answer(stream, request)
+
+    async def answer(self, stream: GenerateStream, request: pb.GenerateRequest) -> None:
+        """Submit the request and relay its outputs; the request ends with the handler."""
         request_id = ""
         try:
             with status_errors():
@@ -99,8 +106,28 @@ class LoomServicer(LoomBase):
                     outputs.abort()  # a no-op for a request that finished
         except ClientGoneError:
             log.info("request %r: client stopped reading; stream reset", request_id)
+
+    @contextmanager
+    def in_flight(self, stream: GenerateStream) -> Iterator[None]:
+        """Count a Generate stream, in all and on its connection, where it is bounded: HTTP/2's
+        MAX_CONCURRENT_STREAMS says so too, but a client may open streams before it hears."""
+        connection = stream.peer.addr()
+        limit = self.config.max_streams_per_connection
+        if self.streams_per_connection[connection] >= limit:
+            raise GRPCError(
+                Status.RESOURCE_EXHAUSTED,
+                f"this connection has {limit} streams open; "
+                f"the limit is max_streams_per_connection={limit}",
+            )
+        self.streams_per_connection[connection] += 1
+        self.num_in_flight.add(1)
+        try:
+            yield
         finally:
             self.num_in_flight.add(-1)
+            self.streams_per_connection[connection] -= 1
+            if not self.streams_per_connection[connection]:
+                del self.streams_per_connection[connection]
 
     def submit_until(
         self, prompt: Prompt, sampling: SamplingParams, timeout: float | None

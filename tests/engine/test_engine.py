@@ -7,6 +7,7 @@ runs on `autojump_clock`, which also jumps while a step runs in the worker threa
 from __future__ import annotations
 
 import random
+import time
 from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
 from typing import Any
@@ -278,6 +279,30 @@ async def test_engine_rejects_what_could_never_fit_at_admission() -> None:
             await collect(engine, [1] * 30, SamplingParams(max_tokens=11))
 
 
+async def test_engine_a_long_text_being_tokenised_holds_up_no_one(smollm2_tokenizer: Any) -> None:
+    """Admission tokenises text off its own path: a request sent while a long text is being
+    tokenised (then refused, beyond the context) is served first."""
+    loaded = tiny_model("llama", vocab_size=len(smollm2_tokenizer), tokenizer=smollm2_tokenizer)
+    order: list[str] = []
+
+    async def long_text(engine: Engine) -> None:
+        with pytest.raises(InvalidRequestError, match="exceeds the context length"):
+            await collect(engine, "word " * 200_000, GREEDY)  # ~0.7 s of tokenising
+        order.append("long text refused")
+
+    async def short(engine: Engine) -> None:
+        await collect(engine, [1, 2], SamplingParams(temperature=0, max_tokens=3))
+        order.append("short served")
+
+    async with serving(loaded, max_prompt_chars=2_000_000) as engine:
+        with trio.fail_after(60):
+            async with trio.open_nursery() as nursery:
+                nursery.start_soon(long_text, engine)
+                await trio.sleep(0.05)
+                nursery.start_soon(short, engine)
+    assert order == ["short served", "long text refused"]
+
+
 async def test_engine_refuses_the_excess_when_the_queue_is_full() -> None:
     async with serving(tiny_model("llama"), max_waiting_requests=2) as engine:
         first = engine.submit([1, 2, 3], GREEDY)
@@ -341,6 +366,26 @@ async def test_engine_deadline_passing_mid_decode(idle_jump_clock: trio.abc.Cloc
             assert outputs[-1].finish_reason is FinishReason.DEADLINE
             assert outputs[-1].error == "the deadline passed mid-decode"
             assert_idle(engine)
+
+
+async def test_engine_deadline_passing_during_the_final_step_is_not_a_normal_finish() -> None:
+    """The last step starts before the deadline and ends after it: the client gets DEADLINE
+    (DESIGN.md §3.5), and the token of that step is dropped."""
+
+    def slow_final_step(output: SchedulerOutput) -> None:
+        (seq,) = output.sequences
+        if seq.sampling is not None and seq.sampling.num_output_tokens == 4:
+            time.sleep(0.6)  # the deadline passes meanwhile
+
+    runner = calling_before_each_step(slow_final_step)
+    async with serving(tiny_model("llama"), make_runner=runner) as engine:
+        with trio.fail_after(30):
+            sampling = SamplingParams(temperature=0, max_tokens=5)
+            outputs = await collect(engine, [1, 2], sampling, deadline=trio.current_time() + 0.3)
+        assert len(tokens_of(outputs)) == 4
+        assert outputs[-1].finish_reason is FinishReason.DEADLINE
+        assert outputs[-1].error == "the deadline passed mid-decode"
+        assert_idle(engine)
 
 
 async def test_engine_pauses_a_full_buffer_and_resumes_when_drained() -> None:

@@ -34,7 +34,7 @@ async def test_loom_health_exits_zero_when_serving(tiny: LoadedModel) -> None:
 
 async def test_loom_health_fails_while_the_model_loads(tiny: LoadedModel) -> None:
     with trio.fail_after(60):
-        async with loading(tiny) as (port, release):
+        async with loading(tiny) as (_, port, release):
             assert await loom_health(port) == (1, f"127.0.0.1:{port}: NOT_SERVING\n")
             release.set()
             while (await loom_health(port))[0] != 0:  # noqa: ASYNC110 (a probe, like docker's)

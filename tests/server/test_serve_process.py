@@ -101,6 +101,26 @@ def test_serve_process_drains_on_sigterm_and_exits_zero(
     assert process.wait(timeout=30) == 0
 
 
+def test_serve_process_drain_closes_idle_connections_and_exits(
+    server: tuple[subprocess.Popen[str], int],
+) -> None:
+    """A pooled client channel, idle, stays open: the drain sends it a GOAWAY and closes it,
+    so the process exits without waiting out its 20 s drain timeout (it used to)."""
+    process, port = server
+
+    async def scenario() -> int | None:
+        async with Channel(HOST, port) as channel:  # open and idle when the signal comes
+            await HealthStub(channel).Check(HealthCheckRequest())
+            os.kill(process.pid, signal.SIGTERM)
+            for _ in range(100):  # 10 s at most, half the drain timeout
+                if process.poll() is not None:
+                    break
+                await asyncio.sleep(0.1)
+            return process.poll()
+
+    assert asyncio.run(scenario()) == 0
+
+
 def test_serve_process_exits_at_once_on_a_second_signal(
     server: tuple[subprocess.Popen[str], int],
 ) -> None:

@@ -11,6 +11,7 @@ import subprocess
 import sys
 import threading
 from functools import partial
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -18,8 +19,11 @@ import trio
 from grpclib import GRPCError, Status
 from grpclib.client import Channel
 from grpclib.exceptions import StreamTerminatedError
+from grpclib.health.v1.health_grpc import HealthStub
+from grpclib.health.v1.health_pb2 import HealthCheckRequest
 from grpclib.reflection.v1.reflection_grpc import ServerReflectionStub
 from grpclib.reflection.v1.reflection_pb2 import ServerReflectionRequest
+from transformers import AutoTokenizer
 
 from loom.core.config import SchedulerConfig
 from loom.core.sampling_params import SamplingParams
@@ -45,22 +49,12 @@ from tests.grpc_client import (
     model_info,
     server_stats,
     token_ids,
+    wait_all_blocks_free,
+    wait_paused,
+    wait_running,
 )
 from tests.server_harness import loading, serving
-
-
-@pytest.fixture
-def tiny_chat(smollm2_tokenizer: Any) -> LoadedModel:
-    """A tiny random Llama over SmolLM2's tokenizer: text and chat prompts work."""
-    return tiny_model("llama", vocab_size=len(smollm2_tokenizer), tokenizer=smollm2_tokenizer)
-
-
-async def wait_all_blocks_free(port: int) -> pb.ServerStats:
-    while True:
-        stats = await in_asyncio(server_stats, port)
-        if stats.num_free_blocks == stats.num_total_blocks and not stats.num_running:
-            return stats
-        await trio.sleep(0.05)
+from tests.storm import KILLED_CLIENT
 
 
 async def test_server_streams_carry_the_engine_tokens_for_many_concurrent_streams(
@@ -227,16 +221,6 @@ async def test_server_refuses_exactly_the_excess_when_the_queue_is_full(
             await wait_all_blocks_free(port)
 
 
-async def wait_running(port: int) -> None:
-    while not (await in_asyncio(server_stats, port)).num_running:  # noqa: ASYNC110 (remote state)
-        await trio.sleep(0.02)
-
-
-async def wait_paused(port: int) -> None:
-    while not (await in_asyncio(server_stats, port)).num_paused:  # noqa: ASYNC110 (remote state)
-        await trio.sleep(0.02)
-
-
 async def test_server_health_and_reflection_answer_a_grpclib_client(tiny_chat: LoadedModel) -> None:
     async def reflect(port: int) -> tuple[list[str], bytes]:
         async with Channel(HOST, port) as channel:
@@ -266,7 +250,7 @@ async def test_server_health_and_reflection_answer_a_grpclib_client(tiny_chat: L
 
 async def test_server_is_not_serving_while_the_model_loads(tiny_chat: LoadedModel) -> None:
     with trio.fail_after(30):
-        async with loading(tiny_chat) as (port, release):
+        async with loading(tiny_chat) as (_, port, release):
             assert await in_asyncio(health, port) == NOT_SERVING
             for call in (partial(generate, port, greedy([1], 2)), partial(server_stats, port)):
                 with pytest.raises(GRPCError, match="the model is still loading") as info:
@@ -276,6 +260,76 @@ async def test_server_is_not_serving_while_the_model_loads(tiny_chat: LoadedMode
             while await in_asyncio(health, port) != SERVING:  # noqa: ASYNC110
                 await trio.sleep(0.02)
             assert len(token_ids(await in_asyncio(generate, port, greedy([1], 2)))) == 2
+
+
+async def test_server_drained_while_the_model_loads_never_serves(tiny_chat: LoadedModel) -> None:
+    """SIGTERM during loading: once loaded, health still says NOT_SERVING and calls get
+    UNAVAILABLE (not INTERNAL), over a connection the client keeps open."""
+    with trio.fail_after(30):
+        async with loading(tiny_chat) as (server, port, release):
+            loaded = threading.Event()
+            probes: list[object] = []
+            async with trio.open_nursery() as nursery:
+                nursery.start_soon(server.drain)
+                await trio.sleep(0.1)
+                probe = partial(probe_across_the_load, port, release, loaded, probes)
+                nursery.start_soon(in_asyncio, probe)
+                await wait_engine_loaded(server)
+                loaded.set()
+            assert probes == [NOT_SERVING, NOT_SERVING, Status.UNAVAILABLE]
+
+
+async def probe_across_the_load(
+    port: int, release: threading.Event, loaded: threading.Event, probes: list[object]
+) -> None:
+    async with Channel(HOST, port) as channel:
+        check = HealthStub(channel).Check
+        probes.append(int((await check(HealthCheckRequest())).status))
+        release.set()
+        await asyncio.to_thread(loaded.wait, 10)
+        probes.append(int((await check(HealthCheckRequest())).status))
+        try:
+            await LoomStub(channel).Generate(greedy([1], 2))
+        except GRPCError as exc:
+            probes.append(exc.status)
+
+
+async def wait_engine_loaded(server: LoomServer) -> None:
+    while not server.engine.loaded:  # noqa: ASYNC110 (engine state, no event for it)
+        await trio.sleep(0.02)
+
+
+async def test_server_refuses_text_the_model_has_no_embedding_for(smollm2_tokenizer: Any) -> None:
+    """A tokenizer with more tokens than the model's embedding: a text prompt that makes one
+    is INVALID_ARGUMENT, and the engine serves on (it used to crash the step for everyone)."""
+    small = tiny_model("llama", vocab_size=512, tokenizer=smollm2_tokenizer)
+    async with serving(small) as (_, port):
+        with trio.fail_after(60):
+            with pytest.raises(GRPCError, match="beyond this model's vocabulary of 512") as info:
+                await in_asyncio(generate, port, pb.GenerateRequest(text="Hello, world"))
+            assert info.value.status is Status.INVALID_ARGUMENT
+            assert len(token_ids(await in_asyncio(generate, port, greedy([1, 2], 4)))) == 4
+
+
+async def test_server_a_chat_the_template_refuses_is_invalid_argument(
+    smollm2_tokenizer: Any, tiny_folder: Path
+) -> None:
+    strict = AutoTokenizer.from_pretrained(tiny_folder)  # a copy: its template is changed here
+    strict.chat_template = (
+        "{% for m in messages %}{% if m.role not in ['user', 'assistant'] %}"
+        "{{ raise_exception('roles are user and assistant') }}{% endif %}"
+        "{{ m.content }}{% endfor %}"
+    )
+    loaded = tiny_model("llama", vocab_size=len(smollm2_tokenizer), tokenizer=strict)
+    async with serving(loaded) as (_, port):
+        with trio.fail_after(60):
+            bad = chat([("wizard", "hi")])
+            with pytest.raises(GRPCError, match="roles are user and assistant") as info:
+                await in_asyncio(generate, port, bad)
+            assert info.value.status is Status.INVALID_ARGUMENT
+            good = chat([("user", "hi")])
+            good.sampling.max_tokens = 3
+            assert len(token_ids(await in_asyncio(generate, port, good))) >= 1
 
 
 async def test_server_frees_blocks_when_a_client_resets_or_closes_mid_stream(
@@ -380,32 +434,11 @@ async def test_server_aborts_a_client_that_stops_reading_while_others_keep_going
             assert outcome == ["reset"]  # RST_STREAM: the blocked send was given up
 
 
-CLIENT_SCRIPT = """
-import asyncio, sys
-from grpclib.client import Channel
-from grpclib.exceptions import StreamTerminatedError
-from loom.v1 import loom_pb2 as pb
-from loom.v1.loom_grpc import LoomStub
-
-async def main():
-    async with Channel("127.0.0.1", int(sys.argv[1])) as channel:
-        async with LoomStub(channel).Generate.open() as stream:
-            sampling = pb.SamplingParams(temperature=0, max_tokens=480, ignore_eos=True)
-            request = pb.GenerateRequest(token_ids=pb.TokenIds(ids=[3, 4]), sampling=sampling)
-            await stream.send_message(request, end=True)
-            async for response in stream:
-                print("token", flush=True)
-                await asyncio.sleep(0.05)
-
-asyncio.run(main())
-"""
-
-
 async def test_server_frees_blocks_when_a_client_process_is_killed(tiny_chat: LoadedModel) -> None:
     expected = reference_tokens(tiny_chat.model, [9, 9], 60)
     async with serving(tiny_chat, output_buffer_size=4) as (_, port):
         with trio.fail_after(60):
-            command = [sys.executable, "-c", CLIENT_SCRIPT, str(port)]
+            command = [sys.executable, "-c", KILLED_CLIENT, HOST, str(port)]
             client = await trio.lowlevel.open_process(command, stdout=subprocess.PIPE)
             healthy: list[int] = []
             try:

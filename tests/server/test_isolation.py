@@ -1,0 +1,249 @@
+"""One client can never reach another (DESIGN.md §3, invariants 8 and 9): a real server, real
+grpclib clients, each scenario one that a hostile or careless client was seen to play.
+
+Rules: port 0; every test under `fail_after`; clients on their own asyncio loops in worker
+threads. Where a scenario needs a thread to stand still, the test blocks it on purpose.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+import time
+
+import pytest
+import trio
+from grpclib import GRPCError, Status
+from grpclib.client import Channel
+from grpclib.exceptions import StreamTerminatedError
+
+from loom.core.config import SchedulerConfig
+from loom.model.loader import LoadedModel
+from loom.v1 import loom_pb2 as pb
+from loom.v1.loom_grpc import LoomStub
+from tests.greedy import reference_tokens
+from tests.grpc_client import (
+    HOST,
+    SMALL_WINDOWS,
+    generate,
+    greedy,
+    in_asyncio,
+    server_stats,
+    token_ids,
+    wait_all_blocks_free,
+    wait_running,
+)
+from tests.server_harness import serving
+
+
+def labelled(request: pb.GenerateRequest, request_id: str) -> pb.GenerateRequest:
+    request.request_id = request_id
+    return request
+
+
+async def test_isolation_a_retry_with_the_id_of_a_request_cancelled_in_admission(
+    tiny_chat: LoadedModel,
+) -> None:
+    """A client cancels request X at once, while admission is busy tokenising a long text, and
+    retries with the same id: the retry gets its own tokens, and the engine stays up."""
+    expected = reference_tokens(tiny_chat.model, [7, 8, 9], 20)
+    long_text = pb.GenerateRequest(text="word " * 200_000)  # ~0.7 s of tokenising
+
+    async def cancel_then_retry(port: int) -> list[pb.GenerateResponse]:
+        async with Channel(HOST, port) as channel:
+            async with LoomStub(channel).Generate.open() as stream:
+                await stream.send_message(labelled(greedy([1, 2, 3], 20), "X"), end=True)
+                await stream.cancel()
+            return list(await LoomStub(channel).Generate(labelled(greedy([7, 8, 9], 20), "X")))
+
+    async with serving(tiny_chat, max_prompt_chars=2_000_000) as (_, port):
+        with trio.fail_after(60):
+            async with trio.open_nursery() as nursery:
+                nursery.start_soon(in_asyncio, expect_refusal, port, long_text)
+                await trio.sleep(0.2)
+                retried = await in_asyncio(cancel_then_retry, port)
+            assert token_ids(retried) == expected
+            assert retried[-1].final.request_id == "X"
+            assert retried[-1].final.finish_reason == pb.FINISH_REASON_LENGTH
+            await wait_all_blocks_free(port)
+
+
+async def expect_refusal(port: int, request: pb.GenerateRequest) -> None:
+    with pytest.raises(GRPCError) as refused:
+        await generate(port, request)
+    assert refused.value.status is Status.INVALID_ARGUMENT
+
+
+async def test_isolation_a_handler_flushing_a_finished_stream_cannot_abort_a_namesake(
+    tiny_chat: LoadedModel,
+) -> None:
+    """Client A's request X has finished in the engine, but its handler is still sending the
+    final message to A, who is not reading. Client B starts its own X. When A reads and its
+    handler ends, B's X must carry on: a handler aborts its own request, not a name."""
+    prompts = ([3, 4], [5, 6, 7])
+    expected = [reference_tokens(tiny_chat.model, p, 480) for p in prompts]
+    async with serving(tiny_chat, output_buffer_size=1000) as (_, port):  # A never pauses
+        with trio.fail_after(60):
+            a_tokens, b_tokens = await in_asyncio(a_then_b, port, prompts)
+        assert a_tokens == expected[0]
+        assert b_tokens == expected[1]
+        stats = await wait_all_blocks_free(port)
+        assert dict(stats.finished) == {"length": 2}
+
+
+async def a_then_b(port: int, prompts: tuple[list[int], list[int]]) -> tuple[list[int], ...]:
+    b_streaming = asyncio.Event()
+    async with (
+        Channel(HOST, port, config=SMALL_WINDOWS) as channel,
+        LoomStub(channel).Generate.open() as stream,
+    ):
+        request = labelled(greedy(prompts[0], 480, logprobs=20), "X")
+        await stream.send_message(request, end=True)
+        await wait_finished(port, "length")  # A's X: done in the engine, not yet read
+        b = asyncio.ensure_future(client_b(port, prompts[1], b_streaming))
+        await b_streaming.wait()
+        a_received = [response async for response in stream]
+    return token_ids(a_received), await b
+
+
+async def client_b(port: int, prompt: list[int], streaming: asyncio.Event) -> list[int]:
+    async with Channel(HOST, port) as channel, LoomStub(channel).Generate.open() as stream:
+        await stream.send_message(labelled(greedy(prompt, 480), "X"), end=True)
+        received = []
+        async for response in stream:
+            received.append(response)
+            streaming.set()
+            await asyncio.sleep(0.002)  # still streaming when A's handler ends
+        return token_ids(received)
+
+
+async def wait_finished(port: int, reason: str) -> None:
+    async with Channel(HOST, port) as channel:
+        stub = LoomStub(channel)
+        while reason not in (await stub.GetServerStats(pb.GetServerStatsRequest())).finished:  # noqa: ASYNC110 (remote state)
+            await asyncio.sleep(0.02)
+
+
+async def test_isolation_a_connection_that_reads_nothing_starves_no_one(
+    tiny_chat: LoadedModel,
+) -> None:
+    """One connection opens 64 streams and reads nothing. Another client, on its own
+    connection, is served while they are all still open: the server lets a connection have 32
+    streams at once, and a paused request gives up its batch slot. Before, the paused requests
+    held every slot until the stall timeout."""
+    expected = reference_tokens(tiny_chat.model, [8, 8], 30)
+    # As many batch slots as one connection may have streams: the cap alone would not do.
+    config = {"stall_timeout": 120.0, "scheduler": SchedulerConfig(max_num_seqs=32)}
+    async with serving(tiny_chat, **config) as (_, port):
+        with trio.fail_after(60):
+            alone = await timed_generate(port, greedy([8, 8], 30))
+            stop = threading.Event()
+            async with trio.open_nursery() as nursery:
+                nursery.start_soon(in_asyncio, many_unread_streams, port, 64, stop)
+                await wait_paused_count(port, 32)
+                beside = await timed_generate(port, greedy([8, 8], 30))
+                stats = await in_asyncio(server_stats, port)
+                stop.set()
+        assert alone[0] == beside[0] == expected
+        assert stats.num_paused == 32  # all still there, not aborted
+        print(
+            f"first token alone {alone[1] * 1000:.0f} ms, beside 64 unread streams "
+            f"{beside[1] * 1000:.0f} ms ({beside[1] / alone[1]:.1f}x)"
+        )
+
+
+async def timed_generate(port: int, request: pb.GenerateRequest) -> tuple[list[int], float]:
+    """Tokens, and the seconds to the first of them."""
+
+    async def run() -> tuple[list[int], float]:
+        start = time.perf_counter()
+        first = None
+        ids: list[int] = []
+        async with Channel(HOST, port) as channel, LoomStub(channel).Generate.open() as stream:
+            await stream.send_message(request, end=True)
+            async for response in stream:
+                first = first or time.perf_counter() - start
+                ids += token_ids([response])
+        return ids, first or 0.0
+
+    return await in_asyncio(run)
+
+
+async def many_unread_streams(port: int, count: int, stop: threading.Event) -> None:
+    """`count` streams on one connection, reading nothing until `stop`."""
+    async with Channel(HOST, port, config=SMALL_WINDOWS) as channel:
+        streams = [LoomStub(channel).Generate.open() for _ in range(count)]
+
+        async def open_one(i: int, stream: object) -> None:
+            await stream.__aenter__()  # type: ignore[attr-defined]
+            await stream.send_message(greedy([i + 1, 2], 480, logprobs=20), end=True)  # type: ignore[attr-defined]
+
+        openers = [asyncio.ensure_future(open_one(i, s)) for i, s in enumerate(streams)]
+        await asyncio.to_thread(stop.wait, 60)
+        for opener in openers:
+            opener.cancel()
+        await asyncio.gather(*openers, return_exceptions=True)
+
+
+async def wait_paused_count(port: int, count: int) -> None:
+    while (await in_asyncio(server_stats, port)).num_paused < count:  # noqa: ASYNC110 (remote state)
+        await trio.sleep(0.05)
+
+
+async def test_isolation_a_handler_cancelled_while_submitting_leaves_no_request_behind(
+    tiny_chat: LoadedModel,
+) -> None:
+    """The client cancels while its handler waits for the trio thread to submit (blocked here
+    on purpose): once submitted, the request is aborted at once, not kept until the stall
+    timeout holding a slot and blocks."""
+    async with serving(tiny_chat, output_buffer_size=2, stall_timeout=120.0) as (_, port):
+        with trio.fail_after(60):
+            client = threading.Thread(target=asyncio.run, args=(send_then_cancel(port),))
+            client.start()
+            time.sleep(1.0)  # noqa: ASYNC251 (blocks the engine's trio thread, on purpose)
+            await trio.to_thread.run_sync(client.join)
+            stats = await wait_all_blocks_free(port)
+            assert (stats.num_running, stats.num_waiting, stats.num_paused) == (0, 0, 0)
+            assert dict(stats.finished) == {"aborted": 1}
+
+
+async def send_then_cancel(port: int) -> None:
+    async with Channel(HOST, port) as channel, LoomStub(channel).Generate.open() as stream:
+        await stream.send_message(greedy([3, 4], 400), end=True)
+        await asyncio.sleep(0.3)  # the handler is waiting on the blocked trio thread
+        await stream.cancel()
+
+
+async def test_isolation_a_final_message_never_read_is_given_up_after_the_send_timeout(
+    tiny_chat: LoadedModel,
+) -> None:
+    """The request finishes while its handler cannot run (its loop is blocked here on purpose),
+    so the handler takes every output, the final one too, in one batch, and then blocks
+    sending to a client that reads nothing. It must give up after `send_timeout` (the stall
+    timeout) and reset the stream, not wait for the client forever."""
+    config = {"output_buffer_size": 1000, "stall_timeout": 2.0}  # never paused; 2 s to read
+    async with serving(tiny_chat, **config) as (server, port):
+        with trio.fail_after(60):
+            outcome: list[str] = []
+            async with trio.open_nursery() as nursery:
+                nursery.start_soon(lambda: in_asyncio(read_late, port, 8.0, outcome))
+                await wait_running(port)
+                server.grpc.in_loop(lambda: time.sleep(2.0))  # the engine finishes meanwhile
+            assert outcome == ["reset"]
+            stats = await wait_all_blocks_free(port)
+            assert dict(stats.finished) == {"length": 1}
+
+
+async def read_late(port: int, delay: float, outcome: list[str]) -> None:
+    """A request of 300 tokens with logprobs (about 100 KB), read only after `delay` s."""
+    async with Channel(HOST, port, config=SMALL_WINDOWS) as channel:
+        try:
+            async with LoomStub(channel).Generate.open() as stream:
+                await stream.send_message(greedy([3, 4], 300, logprobs=20), end=True)
+                await asyncio.sleep(delay)
+                async for _ in stream:
+                    pass
+        except StreamTerminatedError:
+            outcome.append("reset")
+            return
+    outcome.append("read it all")
