@@ -1,24 +1,29 @@
 """grpclib's Server, with what Loom needs of it that grpclib keeps private.
 
 The one place that touches grpclib's internals (`Server._server`, `Server._protocol_factory`,
-`Connection._connection`, `Stream._stream`): the bound port; closing the listening socket while
-open connections carry on; the open connections, counted (drain waits on them), capped in the
-streams each may open (HTTP/2 MAX_CONCURRENT_STREAMS), closed with a GOAWAY when idle at the
-start of a drain and closed at shutdown (grpclib's `close()` cancels the calls but leaves the
-sockets to the garbage collector); and a request message refused by its size before its body
-is read. Everything here runs in the server's asyncio thread.
+`Handler.accept`, `Connection._connection`, `Stream._stream`): the bound port; closing the
+listening socket while open connections carry on; the open connections, counted (drain waits on
+them), capped in the streams each may open (HTTP/2 MAX_CONCURRENT_STREAMS), closed with a
+GOAWAY when idle at the start of a drain and closed at shutdown (grpclib's `close()` cancels the
+calls but leaves the sockets to the garbage collector); a request message refused by its size
+before its body is read; and the client's deadline, taken out of grpclib's hands (grpclib answers
+a deadline that passes before the handler starts with UNKNOWN, "Internal Server Error"; the
+engine enforces deadlines itself, answered DEADLINE_EXCEEDED). Everything here runs in the
+server's asyncio thread.
 """
 
 from __future__ import annotations
 
 import asyncio
 import struct
+from collections.abc import Callable
 from typing import Any
 
 from google.protobuf.message import DecodeError
 from grpclib import GRPCError, Status
+from grpclib.metadata import Deadline
 from grpclib.protocol import H2Protocol
-from grpclib.server import Server, Stream
+from grpclib.server import Handler, Server, Stream
 from h2.settings import SettingCodes
 
 from loom.server.bridge import Count
@@ -71,6 +76,22 @@ class TrackedProtocol(asyncio.Protocol):
             self.transport.close()
 
 
+class DeadlineHandler(Handler):
+    """grpclib's Handler, keeping each call's deadline (grpc-timeout) for the servicer, away
+    from grpclib's own deadline machinery."""
+
+    def accept(self, stream: Any, headers: Any, release_stream: Callable[[], Any]) -> None:
+        stream.loom_deadline = Deadline.from_headers(headers)
+        headers = [(name, value) for name, value in headers if name != "grpc-timeout"]
+        super().accept(stream, headers, release_stream)
+
+
+def deadline_of(stream: Stream[Any, Any]) -> Deadline | None:
+    """The client's deadline for a call, if it set one."""
+    deadline: Deadline | None = getattr(stream._stream, "loom_deadline", None)
+    return deadline
+
+
 class GrpclibServer(Server):
     def __init__(self, handlers: Any, *, max_streams_per_connection: int) -> None:
         super().__init__(handlers)
@@ -79,7 +100,13 @@ class GrpclibServer(Server):
         self.num_connections = Count()
 
     def _protocol_factory(self) -> TrackedProtocol:  # type: ignore[override]
-        return TrackedProtocol(super()._protocol_factory(), self)
+        """grpclib's, with a DeadlineHandler, in a TrackedProtocol."""
+        self.__gc_step__()
+        handler = DeadlineHandler(
+            self._mapping, self._codec, self._status_details_codec, self.__dispatch__
+        )
+        self._handlers.add(handler)
+        return TrackedProtocol(H2Protocol(handler, self._config, self._h2_config), self)
 
     @property
     def port(self) -> int:

@@ -29,7 +29,7 @@ from loom.engine.request_stream import RequestStream
 from loom.server import wire
 from loom.server.bridge import Count, TrioBridge
 from loom.server.config import ServerConfig
-from loom.server.grpclib_server import recv_bounded
+from loom.server.grpclib_server import deadline_of, recv_bounded
 from loom.v1 import loom_pb2 as pb
 from loom.v1.loom_grpc import LoomBase
 
@@ -96,7 +96,8 @@ class LoomServicer(LoomBase):
                 request_id = wire.request_id_from(request)
                 prompt = wire.prompt_from(request)
                 sampling = wire.sampling_from(request.sampling)
-                timeout = stream.deadline.time_remaining() if stream.deadline else None
+                deadline = deadline_of(stream)
+                timeout = deadline.time_remaining() if deadline else None
                 outputs = await self.bridge.call(
                     self.submit_until, prompt, sampling, timeout, orphan=RequestStream.abort
                 )

@@ -8,9 +8,13 @@ threads. Where a scenario needs a thread to stand still, the test blocks it on p
 from __future__ import annotations
 
 import asyncio
+import struct
 import threading
 import time
 
+import h2.config
+import h2.connection
+import h2.events
 import pytest
 import trio
 from grpclib import GRPCError, Status
@@ -247,3 +251,51 @@ async def read_late(port: int, delay: float, outcome: list[str]) -> None:
             outcome.append("reset")
             return
     outcome.append("read it all")
+
+
+async def test_isolation_a_deadline_already_past_on_arrival_is_deadline_exceeded(
+    tiny_chat: LoadedModel,
+) -> None:
+    """grpclib answers a call whose deadline passes before its handler starts with UNKNOWN
+    ("Internal Server Error"; seen in a storm under load, with deadlines of 10 ms). The server
+    takes the deadline out of grpclib's hands: the engine ends such a request DEADLINE."""
+    request = greedy([1, 2], 5).SerializeToString()
+    async with serving(tiny_chat) as (_, port):
+        with trio.fail_after(30):
+            trailers = await in_asyncio(raw_call, port, request, [("grpc-timeout", "1u")])
+    assert trailers.get("grpc-status") == str(Status.DEADLINE_EXCEEDED.value), trailers
+
+
+async def raw_call(port: int, message: bytes, headers: list[tuple[str, str]]) -> dict[str, str]:
+    """One Generate call over a bare HTTP/2 connection: the whole request is sent whatever its
+    grpc-timeout says (a grpclib client would give up first). The response's headers."""
+    reader, writer = await asyncio.open_connection(HOST, port)
+    connection = h2.connection.H2Connection(
+        h2.config.H2Configuration(client_side=True, header_encoding="utf-8")
+    )
+    connection.initiate_connection()
+    request_headers = [
+        (":method", "POST"),
+        (":scheme", "http"),
+        (":path", "/loom.v1.Loom/Generate"),
+        (":authority", f"{HOST}:{port}"),
+        ("content-type", "application/grpc+proto"),
+        ("te", "trailers"),
+        *headers,
+    ]
+    connection.send_headers(1, request_headers)
+    connection.send_data(1, struct.pack(">?I", False, len(message)) + message, end_stream=True)
+    received: dict[str, str] = {}
+    ended = False
+    while not ended:
+        writer.write(connection.data_to_send())
+        await writer.drain()
+        data = await reader.read(65536)
+        if not data:
+            break
+        for event in connection.receive_data(data):
+            if isinstance(event, h2.events.ResponseReceived | h2.events.TrailersReceived):
+                received.update(event.headers)
+            ended = ended or isinstance(event, h2.events.StreamEnded | h2.events.StreamReset)
+    writer.close()
+    return received
