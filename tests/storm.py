@@ -3,8 +3,9 @@
 Each client has a connection of its own and does one of: read its stream to the end; cancel
 it (RST_STREAM) after a few messages; drop its connection mid-stream; give its call a short
 deadline; stop reading (small HTTP/2 windows) and then drop the connection. Some client
-processes are killed with SIGKILL mid-stream. Every outcome is counted by name; a healthy
-server gives none named INTERNAL or UNKNOWN, and frees every block once the storm is over.
+processes are killed with SIGKILL mid-stream. Outcomes are counted as `kind: outcome`; from a
+healthy server every `read` client ends `ok`, none sees INTERNAL or UNKNOWN, and every block is
+free once the storm is over.
 
     python -m tests.storm --address 127.0.0.1:50051 --clients 1000
 """
@@ -61,7 +62,12 @@ def request(rng: random.Random, vocab_size: int) -> pb.GenerateRequest:
 
 
 async def one_client(host: str, port: int, rng: random.Random, vocab_size: int) -> str:
+    """`kind: outcome`, the kind being what the client does."""
     kind = rng.choice(KINDS)
+    return f"{kind}: {await behave(kind, host, port, rng, vocab_size)}"
+
+
+async def behave(kind: str, host: str, port: int, rng: random.Random, vocab_size: int) -> str:
     leave_after = rng.randint(0, 4)  # messages read before leaving
     channel = Channel(host, port, config=SMALL_WINDOWS if kind == "stop_reading" else None)
     try:

@@ -63,9 +63,6 @@ class BlockManager:
         have = len(self._tables.get(request_id, ()))
         return max(0, num_blocks_for(num_tokens, self.block_size) - have)
 
-    def can_allocate(self, request_id: str, num_tokens: int) -> bool:
-        return self.num_blocks_needed(request_id, num_tokens) <= self.num_free_blocks
-
     def allocate(self, request_id: str, num_tokens: int) -> bool:
         """Grow the request's block table to hold `num_tokens` tokens in all.
 

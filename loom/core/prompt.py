@@ -51,15 +51,14 @@ class PromptChecker:
         """Refuse an oversized prompt at once, before the work of tokenising it."""
         if isinstance(prompt, str):
             num_chars = len(prompt)
-        else:
-            items = list(prompt)
-            messages = [m for m in items if isinstance(m, ChatMessage)]
-            num_chars = sum(len(m.role) + len(m.content) for m in messages)
-            if len(items) > self.max_model_len:
-                field = "messages" if messages else "token_ids"
+        else:  # the count first: a 4 MiB message holds millions of token ids
+            if len(prompt) > self.max_model_len:
+                field = "messages" if needs_tokenizer(prompt[:1]) else "token_ids"
                 raise InvalidRequestError(
-                    f"{field} has {len(items)} items; the context length is {self.max_model_len}"
+                    f"{field} has {len(prompt)} items; the context length is {self.max_model_len}"
                 )
+            messages = [m for m in prompt if isinstance(m, ChatMessage)]
+            num_chars = sum(len(m.role) + len(m.content) for m in messages)
         if num_chars > self.max_prompt_chars:
             raise InvalidRequestError(
                 f"prompt has {num_chars} characters; the limit is "

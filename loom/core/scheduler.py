@@ -75,8 +75,8 @@ class Scheduler:
         chosen: list[tuple[Request, int]] = []
         num_preemptions = self.num_preemptions
         for request in list(self.running):
-            if budget == 0:
-                break
+            if budget == 0 or len(chosen) == self.config.max_num_seqs:
+                break  # (running requests resumed from a pause can outnumber the slots)
             if request.paused or request.status is not RequestStatus.RUNNING:
                 continue  # paused, or preempted earlier in this loop
             num_new = min(request.num_tokens - request.num_computed_tokens, budget)
@@ -134,9 +134,11 @@ class Scheduler:
             ):
                 return
             num_new = min(request.num_tokens, budget)
-            if not self.make_room(request.request_id, num_new):
+            if not (
+                self.make_room(request.request_id, num_new)
+                and self.block_manager.allocate(request.request_id, num_new)
+            ):
                 return
-            self.block_manager.allocate(request.request_id, num_new)
             self.waiting.remove(request)
             request.status = RequestStatus.RUNNING
             self.running.append(request)
@@ -152,11 +154,10 @@ class Scheduler:
         held = sum(len(bm.block_table(r.request_id)) for r in paused)
         if needed > bm.num_free_blocks + held:
             return False
-        for victim in sorted(paused, key=lambda r: r.paused_since or 0.0):  # longest paused first
-            if needed <= bm.num_free_blocks:
-                break
+        while needed > bm.num_free_blocks and (victim := self.longest_paused(paused)):
+            paused.remove(victim)
             self.preempt(victim)
-        return True
+        return needed <= bm.num_free_blocks
 
     def scheduled(self, request: Request, num_new: int) -> ScheduledSequence:
         start = request.num_computed_tokens

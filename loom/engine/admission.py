@@ -5,7 +5,7 @@
        ▼ admission channel (bounded by max_waiting_requests)
     admission task ── token ids: checked at once, in order
        │              text and chat: tokenised in a worker thread, in a task of their own, so
-       │              that one long prompt holds up no one
+       │              that no token-id request waits behind a text (texts take turns)
        ▼
     checks: the prompt, the context length, the queued prompt tokens
        │
@@ -58,7 +58,9 @@ class Admission:
         # Sent and not yet handled, aborted ones included: never above the channel's capacity,
         # so that `send_nowait` cannot block.
         self.num_unhandled = 0
-        self.tokenizers = trio.CapacityLimiter(2)  # worker threads tokenising at once
+        # One tokenising thread: a fast tokenizer is one Rust object, whose padding and
+        # truncation transformers resets around each call, so two at once can collide.
+        self.tokenizers = trio.CapacityLimiter(1)
         self.done = False  # the channel is closed and every submission in it handled
 
     @classmethod

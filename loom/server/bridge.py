@@ -63,7 +63,13 @@ class TrioBridge:
             self.trio_token.run_sync_soon(run)
         except trio.RunFinishedError:
             raise EngineDeadError("the engine has stopped") from None
-        return await future
+        try:
+            return await future
+        except asyncio.CancelledError:  # the result may have come in just before
+            settled = future.done() and not future.cancelled() and future.exception() is None
+            if orphan is not None and settled:
+                orphan(future.result())
+            raise
 
     def waker(self, event: asyncio.Event) -> Callable[[], None]:
         """A thread-safe, coalescing `event.set` for the trio thread to call."""

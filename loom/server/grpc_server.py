@@ -81,6 +81,7 @@ class GrpcServer:
         self.server = GrpclibServer(
             ServerReflection.extend([self.servicer, health]),
             max_streams_per_connection=self.config.max_streams_per_connection,
+            max_request_bytes=self.config.max_request_bytes,
         )
         await self.server.start(self.config.host, self.config.port)
         token.run_sync_soon(on_bound, self.server.port)

@@ -6,9 +6,10 @@ listening socket while open connections carry on; the open connections, counted 
 them), capped in the streams each may open (HTTP/2 MAX_CONCURRENT_STREAMS), closed with a
 GOAWAY when idle at the start of a drain and closed at shutdown (grpclib's `close()` cancels the
 calls but leaves the sockets to the garbage collector); a request message refused by its size
-before its body is read; and the client's deadline, taken out of grpclib's hands (grpclib answers
-a deadline that passes before the handler starts with UNKNOWN, "Internal Server Error"; the
-engine enforces deadlines itself, answered DEADLINE_EXCEEDED). Everything here runs in the
+before its body is read, on every service; malformed frames and grpc-timeout headers answered
+INVALID_ARGUMENT; and the client's deadline taken out of grpclib's hands (grpclib answers a
+deadline that passes before the handler starts with UNKNOWN, "Internal Server Error"; the
+servicer and the engine answer DEADLINE_EXCEEDED). Everything here runs in the
 server's asyncio thread.
 """
 
@@ -16,7 +17,7 @@ from __future__ import annotations
 
 import asyncio
 import struct
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from typing import Any
 
 from google.protobuf.message import DecodeError
@@ -76,35 +77,63 @@ class TrackedProtocol(asyncio.Protocol):
             self.transport.close()
 
 
-class DeadlineHandler(Handler):
-    """grpclib's Handler, keeping each call's deadline (grpc-timeout) for the servicer, away
-    from grpclib's own deadline machinery."""
+class LoomHandler(Handler):
+    """grpclib's Handler, preparing each call's stream for every service: its deadline
+    (grpc-timeout) kept for the servicer and out of grpclib's machinery, and its reads capped
+    at `max_request_bytes` (grpclib reads a message whole, whatever the size its header says)."""
+
+    max_request_bytes: int
 
     def accept(self, stream: Any, headers: Any, release_stream: Callable[[], Any]) -> None:
-        stream.loom_deadline = Deadline.from_headers(headers)
+        try:
+            stream.loom_deadline = Deadline.from_headers(headers)
+        except ValueError:  # grpclib would drop the connection, and the others' streams on it
+            stream.loom_deadline = MALFORMED
         headers = [(name, value) for name, value in headers if name != "grpc-timeout"]
+        stream.recv_data = capped(stream.recv_data, self.max_request_bytes)
         super().accept(stream, headers, release_stream)
+
+
+MALFORMED = object()
+
+
+def capped(recv_data: Callable[[int], Awaitable[bytes]], limit: int) -> Callable[..., Any]:
+    async def recv(size: int) -> bytes:
+        if size > limit:
+            raise GRPCError(
+                Status.RESOURCE_EXHAUSTED,
+                f"the request message has {size} bytes; the limit is max_request_bytes={limit}",
+            )
+        return await recv_data(size)
+
+    return recv
 
 
 def deadline_of(stream: Stream[Any, Any]) -> Deadline | None:
     """The client's deadline for a call, if it set one."""
-    deadline: Deadline | None = getattr(stream._stream, "loom_deadline", None)
+    deadline: Deadline | object | None = getattr(stream._stream, "loom_deadline", None)
+    if not (deadline is None or isinstance(deadline, Deadline)):
+        raise GRPCError(Status.INVALID_ARGUMENT, "the grpc-timeout header is malformed")
     return deadline
 
 
 class GrpclibServer(Server):
-    def __init__(self, handlers: Any, *, max_streams_per_connection: int) -> None:
+    def __init__(
+        self, handlers: Any, *, max_streams_per_connection: int, max_request_bytes: int
+    ) -> None:
         super().__init__(handlers)
         self.max_streams_per_connection = max_streams_per_connection
+        self.max_request_bytes = max_request_bytes
         self.connections: set[TrackedProtocol] = set()  # the open ones
         self.num_connections = Count()
 
     def _protocol_factory(self) -> TrackedProtocol:  # type: ignore[override]
-        """grpclib's, with a DeadlineHandler, in a TrackedProtocol."""
+        """grpclib's, with a LoomHandler, in a TrackedProtocol."""
         self.__gc_step__()
-        handler = DeadlineHandler(
+        handler = LoomHandler(
             self._mapping, self._codec, self._status_details_codec, self.__dispatch__
         )
+        handler.max_request_bytes = self.max_request_bytes
         self._handlers.add(handler)
         return TrackedProtocol(H2Protocol(handler, self._config, self._h2_config), self)
 
@@ -135,24 +164,31 @@ class GrpclibServer(Server):
                 protocol.transport.close()
 
 
-async def recv_bounded(stream: Stream[Any, Any], limit: int) -> Any:
-    """`stream.recv_message()`, refusing from its 5-byte header a message over `limit` bytes
-    before its body is read (grpclib would read and buffer it whole, up to 4 GiB)."""
-    header = await stream._stream.recv_data(5)
+async def recv_request(stream: Stream[Any, Any]) -> Any:
+    """`stream.recv_message()`, a frame that is cut short, compressed or does not parse
+    answered INVALID_ARGUMENT (grpclib's own reading answers UNKNOWN or serves what it got)."""
+    header = await recv_exactly(stream, 5)
     if not header:
         return None
     compressed, size = struct.unpack(">?I", header)
     if compressed:
-        raise GRPCError(Status.UNIMPLEMENTED, "compressed request messages are not supported")
-    if size > limit:
-        raise GRPCError(
-            Status.RESOURCE_EXHAUSTED,
-            f"the request message has {size} bytes; the limit is max_request_bytes={limit}",
-        )
-    body = await stream._stream.recv_data(size)
+        raise GRPCError(Status.INVALID_ARGUMENT, "compressed request messages are not supported")
+    body = await recv_exactly(stream, size)  # capped: see LoomHandler
     try:
         return stream._codec.decode(body, stream._recv_type)
     except DecodeError as exc:
         raise GRPCError(
             Status.INVALID_ARGUMENT, f"the request message does not parse: {exc}"
         ) from exc
+
+
+async def recv_exactly(stream: Stream[Any, Any], size: int) -> bytes:
+    """`size` bytes of the request, or none at its end."""
+    cut_short = GRPCError(Status.INVALID_ARGUMENT, "the request message is cut short")
+    try:
+        data: bytes = await stream._stream.recv_data(size)
+    except AssertionError:  # grpclib's word for a stream that ended mid-frame
+        raise cut_short from None
+    if data and len(data) != size:
+        raise cut_short
+    return data

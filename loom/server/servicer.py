@@ -18,6 +18,7 @@ from contextlib import contextmanager
 
 import trio
 from grpclib import GRPCError, Status
+from grpclib.metadata import Deadline
 from grpclib.server import Stream
 
 from loom.core.errors import EngineDeadError, EngineOverloadedError, InvalidRequestError
@@ -29,7 +30,7 @@ from loom.engine.request_stream import RequestStream
 from loom.server import wire
 from loom.server.bridge import Count, TrioBridge
 from loom.server.config import ServerConfig
-from loom.server.grpclib_server import deadline_of, recv_bounded
+from loom.server.grpclib_server import deadline_of, recv_request
 from loom.v1 import loom_pb2 as pb
 from loom.v1.loom_grpc import LoomBase
 
@@ -61,9 +62,11 @@ def status_errors() -> Iterator[None]:
         raise GRPCError(Status.UNAVAILABLE, str(exc)) from exc
     except (GRPCError, ClientGoneError, asyncio.CancelledError):
         raise
-    except Exception as exc:
+    except Exception as exc:  # its message stays in the log: it may hold another client's data
         log.exception("internal error")
-        raise GRPCError(Status.INTERNAL, f"internal error: {exc!r}") from exc
+        raise GRPCError(
+            Status.INTERNAL, f"internal error ({type(exc).__name__}); see the server log"
+        ) from exc
 
 
 class LoomServicer(LoomBase):
@@ -79,15 +82,35 @@ class LoomServicer(LoomBase):
         self.streams_per_connection = Counter[object]()  # by the client's address and port
 
     async def Generate(self, stream: GenerateStream) -> None:
-        request = await recv_bounded(stream, self.config.max_request_bytes)
-        if request is None:
-            raise GRPCError(Status.INVALID_ARGUMENT, "no request message")
+        deadline = deadline_of(stream)
+        request = await self.receive(stream, deadline)
         if self.draining:
             raise GRPCError(Status.UNAVAILABLE, "the server is draining")
         with self.in_flight(stream):
-            await self.answer(stream, request)
+            await self.answer(stream, request, deadline)
 
-    async def answer(self, stream: GenerateStream, request: pb.GenerateRequest) -> None:
+    async def receive(
+        self, stream: GenerateStream, deadline: Deadline | None
+    ) -> pb.GenerateRequest:
+        """The request message, in time: by the deadline, else within `send_timeout`."""
+        patience = deadline.time_remaining() if deadline else self.send_timeout
+        try:
+            request = await asyncio.wait_for(recv_request(stream), patience)
+        except TimeoutError:
+            if deadline is not None:
+                raise GRPCError(
+                    Status.DEADLINE_EXCEEDED, "the deadline passed before the request came"
+                ) from None
+            raise GRPCError(
+                Status.RESOURCE_EXHAUSTED, f"no request message within {self.send_timeout} s"
+            ) from None
+        if request is None:
+            raise GRPCError(Status.INVALID_ARGUMENT, "no request message")
+        return request  # type: ignore[no-any-return]
+
+    async def answer(
+        self, stream: GenerateStream, request: pb.GenerateRequest, deadline: Deadline | None
+    ) -> None:
         """Submit the request and relay its outputs; the request ends with the handler."""
         request_id = ""
         try:
@@ -96,7 +119,6 @@ class LoomServicer(LoomBase):
                 request_id = wire.request_id_from(request)
                 prompt = wire.prompt_from(request)
                 sampling = wire.sampling_from(request.sampling)
-                deadline = deadline_of(stream)
                 timeout = deadline.time_remaining() if deadline else None
                 outputs = await self.bridge.call(
                     self.submit_until, prompt, sampling, timeout, orphan=RequestStream.abort
@@ -179,8 +201,8 @@ class LoomServicer(LoomBase):
         message: pb.GenerateResponse,
     ) -> None:
         """Send one message. Once the request has ended (before or during the send), a client
-        that does not take it within `send_timeout` (at once, if it was aborted as stalled) is
-        given up on: the send is cancelled and the stream reset (RST_STREAM)."""
+        that does not take it is given up on: the send is cancelled and the stream reset
+        (RST_STREAM), after `send_timeout` for a normal finish, at once for any other end."""
         sending = asyncio.ensure_future(stream.send_message(message))
         try:
             while not outputs.closed and not sending.done():
@@ -188,8 +210,8 @@ class LoomServicer(LoomBase):
                 await asyncio.wait({sending, waiter}, return_when=asyncio.FIRST_COMPLETED)
                 waiter.cancel()
                 event.clear()  # new outputs stay buffered until this send is done
-            stalled = outputs.finish_reason is FinishReason.STALLED
-            done, _ = await asyncio.wait({sending}, timeout=0.0 if stalled else self.send_timeout)
+            normal = outputs.finish_reason in wire.FINISH_REASONS
+            done, _ = await asyncio.wait({sending}, timeout=self.send_timeout if normal else 0.0)
             if not done:
                 sending.cancel()
                 await stream.cancel()  # RST_STREAM

@@ -18,6 +18,7 @@ from loom.engine.stats import EngineStats, ModelInfo
 from loom.v1 import loom_pb2 as pb
 
 MAX_REQUEST_ID_CHARS = 128
+MAX_CHAT_MESSAGES = 4096
 FINISH_REASONS = {
     FinishReason.STOP: pb.FINISH_REASON_STOP,
     FinishReason.LENGTH: pb.FINISH_REASON_LENGTH,
@@ -52,9 +53,14 @@ def prompt_from(request: pb.GenerateRequest) -> Prompt:
     if kind == "text":
         return request.text
     if kind == "messages":
-        return [ChatMessage(role=m.role, content=m.content) for m in request.messages.messages]
+        messages = request.messages.messages
+        if len(messages) > MAX_CHAT_MESSAGES:  # before making an object of each
+            raise InvalidRequestError(
+                f"messages has {len(messages)} items; the limit is {MAX_CHAT_MESSAGES}"
+            )
+        return [ChatMessage(role=m.role, content=m.content) for m in messages]
     if kind == "token_ids":
-        return list(request.token_ids.ids)
+        return request.token_ids.ids  # not copied: the engine counts them first
     raise InvalidRequestError("prompt is required: set text, messages or token_ids")
 
 

@@ -141,6 +141,19 @@ def test_scheduler_a_waiting_request_takes_the_blocks_and_slot_of_paused_ones() 
     assert scheduler.num_waiting() == 1
 
 
+def test_scheduler_never_batches_more_than_max_num_seqs_when_paused_requests_resume() -> None:
+    scheduler = make_scheduler(max_num_seqs=2)
+    for name in ("a", "b"):
+        scheduler.add_request(make_request(name, 3))
+    step(scheduler)
+    scheduler.pause(scheduler.requests["a"], now=0.0)
+    scheduler.add_request(make_request("c", 3))
+    assert set(shape(step(scheduler))) == {"b", "c"}  # "a"'s slot went to "c"
+    scheduler.resume("a")  # three running requests for two slots: the latest waits its turn
+    assert set(shape(step(scheduler))) == {"a", "b"}
+    assert scheduler.num_active() == 3
+
+
 def test_scheduler_finish_is_idempotent_and_frees_blocks() -> None:
     scheduler = make_scheduler()
     request = make_request("a", 9)

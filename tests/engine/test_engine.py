@@ -371,17 +371,20 @@ async def test_engine_deadline_passing_mid_decode(idle_jump_clock: trio.abc.Cloc
 async def test_engine_deadline_passing_during_the_final_step_is_not_a_normal_finish() -> None:
     """The last step starts before the deadline and ends after it: the client gets DEADLINE
     (DESIGN.md §3.5), and the token of that step is dropped."""
+    deadline_wall: list[float] = []  # trio's clock is perf_counter's, moved: both, same instant
 
     def slow_final_step(output: SchedulerOutput) -> None:
         (seq,) = output.sequences
         if seq.sampling is not None and seq.sampling.num_output_tokens == 4:
-            time.sleep(0.6)  # the deadline passes meanwhile
+            time.sleep(max(0.0, deadline_wall[0] - time.perf_counter()) + 0.1)
 
     runner = calling_before_each_step(slow_final_step)
     async with serving(tiny_model("llama"), make_runner=runner) as engine:
         with trio.fail_after(30):
             sampling = SamplingParams(temperature=0, max_tokens=5)
-            outputs = await collect(engine, [1, 2], sampling, deadline=trio.current_time() + 0.3)
+            deadline_wall.append(time.perf_counter() + 3.0)
+            deadline = trio.current_time() + 3.0
+            outputs = await collect(engine, [1, 2], sampling, deadline=deadline)
         assert len(tokens_of(outputs)) == 4
         assert outputs[-1].finish_reason is FinishReason.DEADLINE
         assert outputs[-1].error == "the deadline passed mid-decode"

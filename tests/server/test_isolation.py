@@ -11,6 +11,7 @@ import asyncio
 import struct
 import threading
 import time
+from typing import Any
 
 import h2.config
 import h2.connection
@@ -198,24 +199,26 @@ async def test_isolation_a_handler_cancelled_while_submitting_leaves_no_request_
     tiny_chat: LoadedModel,
 ) -> None:
     """The client cancels while its handler waits for the trio thread to submit (blocked here
-    on purpose): once submitted, the request is aborted at once, not kept until the stall
-    timeout holding a slot and blocks."""
+    on purpose, until the client has cancelled): once submitted, the request is aborted at
+    once, not kept until the stall timeout holding a slot and blocks."""
     async with serving(tiny_chat, output_buffer_size=2, stall_timeout=120.0) as (_, port):
         with trio.fail_after(60):
-            client = threading.Thread(target=asyncio.run, args=(send_then_cancel(port),))
+            cancelled = threading.Event()
+            client = threading.Thread(target=asyncio.run, args=(send_then_cancel(port, cancelled),))
             client.start()
-            time.sleep(1.0)  # noqa: ASYNC251 (blocks the engine's trio thread, on purpose)
+            cancelled.wait(30)  # blocks the engine's trio thread, on purpose
             await trio.to_thread.run_sync(client.join)
             stats = await wait_all_blocks_free(port)
             assert (stats.num_running, stats.num_waiting, stats.num_paused) == (0, 0, 0)
             assert dict(stats.finished) == {"aborted": 1}
 
 
-async def send_then_cancel(port: int) -> None:
+async def send_then_cancel(port: int, cancelled: threading.Event) -> None:
     async with Channel(HOST, port) as channel, LoomStub(channel).Generate.open() as stream:
         await stream.send_message(greedy([3, 4], 400), end=True)
         await asyncio.sleep(0.3)  # the handler is waiting on the blocked trio thread
         await stream.cancel()
+        cancelled.set()
 
 
 async def test_isolation_a_final_message_never_read_is_given_up_after_the_send_timeout(
@@ -258,17 +261,66 @@ async def test_isolation_a_deadline_already_past_on_arrival_is_deadline_exceeded
 ) -> None:
     """grpclib answers a call whose deadline passes before its handler starts with UNKNOWN
     ("Internal Server Error"; seen in a storm under load, with deadlines of 10 ms). The server
-    takes the deadline out of grpclib's hands: the engine ends such a request DEADLINE."""
-    request = greedy([1, 2], 5).SerializeToString()
+    takes the deadline out of grpclib's hands and answers DEADLINE_EXCEEDED."""
     async with serving(tiny_chat) as (_, port):
         with trio.fail_after(30):
-            trailers = await in_asyncio(raw_call, port, request, [("grpc-timeout", "1u")])
+            trailers = await in_asyncio(
+                raw_call, port, GENERATE, frame(greedy([1, 2], 5)), [("grpc-timeout", "1u")]
+            )
     assert trailers.get("grpc-status") == str(Status.DEADLINE_EXCEEDED.value), trailers
 
 
-async def raw_call(port: int, message: bytes, headers: list[tuple[str, str]]) -> dict[str, str]:
-    """One Generate call over a bare HTTP/2 connection: the whole request is sent whatever its
-    grpc-timeout says (a grpclib client would give up first). The response's headers."""
+GENERATE = "/loom.v1.Loom/Generate"
+STATS = "/loom.v1.Loom/GetServerStats"
+
+
+def frame(message: Any, *, size: int | None = None) -> bytes:
+    """A gRPC frame: uncompressed, the message's length (or `size`), the message."""
+    body = message if isinstance(message, bytes) else message.SerializeToString()
+    return struct.pack(">?I", False, len(body) if size is None else size) + body
+
+
+@pytest.mark.parametrize(
+    ("path", "data", "headers", "status", "message"),
+    [
+        (GENERATE, frame(b"\xff\xff\xff"), [], Status.INVALID_ARGUMENT, "does not parse"),
+        (GENERATE, frame(greedy([1], 2), size=500), [], Status.INVALID_ARGUMENT, "cut short"),
+        (GENERATE, b"\x00\x00", [], Status.INVALID_ARGUMENT, "cut short"),
+        (
+            GENERATE,
+            frame(greedy([1], 2)),
+            [("grpc-timeout", "banana")],
+            Status.INVALID_ARGUMENT,
+            "grpc-timeout header is malformed",
+        ),
+        (
+            STATS,  # every service, not only Generate: grpclib would read 4 GiB
+            struct.pack(">?I", False, 5 << 20),
+            [],
+            Status.RESOURCE_EXHAUSTED,
+            "max_request_bytes=4194304",
+        ),
+    ],
+)
+async def test_isolation_malformed_frames_are_answered_not_dropped_nor_crashed(
+    tiny_chat: LoadedModel,
+    path: str,
+    data: bytes,
+    headers: list[tuple[str, str]],
+    status: Status,
+    message: str,
+) -> None:
+    async with serving(tiny_chat) as (_, port):
+        with trio.fail_after(30):
+            trailers = await in_asyncio(raw_call, port, path, data, headers)
+            assert trailers.get("grpc-status") == str(status.value), trailers
+            assert message in trailers.get("grpc-message", "")
+            assert len(token_ids(await in_asyncio(generate, port, greedy([1, 2], 3)))) == 3
+
+
+async def raw_call(port: int, path: str, data: bytes, headers: list[tuple[str, str]]) -> Any:
+    """One call over a bare HTTP/2 connection, sending `data` as it is, whatever the headers
+    say (a grpclib client would give up first). The response's headers and trailers."""
     reader, writer = await asyncio.open_connection(HOST, port)
     connection = h2.connection.H2Connection(
         h2.config.H2Configuration(client_side=True, header_encoding="utf-8")
@@ -277,23 +329,23 @@ async def raw_call(port: int, message: bytes, headers: list[tuple[str, str]]) ->
     request_headers = [
         (":method", "POST"),
         (":scheme", "http"),
-        (":path", "/loom.v1.Loom/Generate"),
+        (":path", path),
         (":authority", f"{HOST}:{port}"),
         ("content-type", "application/grpc+proto"),
         ("te", "trailers"),
         *headers,
     ]
     connection.send_headers(1, request_headers)
-    connection.send_data(1, struct.pack(">?I", False, len(message)) + message, end_stream=True)
+    connection.send_data(1, data, end_stream=True)
     received: dict[str, str] = {}
     ended = False
     while not ended:
         writer.write(connection.data_to_send())
         await writer.drain()
-        data = await reader.read(65536)
-        if not data:
+        chunk = await reader.read(65536)
+        if not chunk:
             break
-        for event in connection.receive_data(data):
+        for event in connection.receive_data(chunk):
             if isinstance(event, h2.events.ResponseReceived | h2.events.TrailersReceived):
                 received.update(event.headers)
             ended = ended or isinstance(event, h2.events.StreamEnded | h2.events.StreamReset)
