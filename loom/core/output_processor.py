@@ -23,7 +23,7 @@ class OutputProcessor:
     def __init__(self, tokenizer: Any) -> None:
         self.tokenizer = tokenizer
         self.detokenizers: dict[str, IncrementalDetokenizer] = {}
-        self.finished = Counter[FinishReason]()  # final outputs made, by finish reason
+        self.finished = Counter[FinishReason]()  # by reason; the engine adds early aborts
 
     def add_request(self, request: Request) -> None:
         if self.tokenizer is not None:

@@ -34,7 +34,7 @@ from loom.core.errors import EngineDeadError
 from loom.core.output_processor import OutputProcessor
 from loom.core.prompt import Prompt
 from loom.core.request import Request, RequestStatus
-from loom.core.request_output import Logprobs, RequestOutput
+from loom.core.request_output import FinishReason, Logprobs, RequestOutput
 from loom.core.sampling_params import SamplingParams
 from loom.core.scheduler import Scheduler
 from loom.core.step import SchedulerOutput
@@ -148,8 +148,11 @@ class Engine:
 
     def abort(self, request_id: str) -> None:
         """Finish a request as ABORTED and free its blocks. Safe for unknown or finished ids."""
-        if not self.loaded or self.admission.abort(request_id):
-            return  # not admitted yet: the admission task drops it
+        if not self.loaded:
+            return
+        if self.admission.abort(request_id):  # not admitted yet: the admission task drops it
+            self.outputs.finished[FinishReason.ABORTED] += 1
+            return
         request = self.scheduler.requests.get(request_id)
         if request is not None:
             self.finish(request, RequestStatus.FINISHED_ABORTED, error="aborted")

@@ -1,16 +1,16 @@
 """grpclib's Server, with what Loom needs of it that grpclib keeps private.
 
 The one place that touches grpclib's internals (`Server._server`, `Server._protocol_factory`,
-`Handler.accept`, `Connection._connection`, `Stream._stream`): the bound port; closing the
-listening socket while open connections carry on; the open connections, counted (drain waits on
-them), capped in the streams each may open (HTTP/2 MAX_CONCURRENT_STREAMS), closed with a
-GOAWAY when idle at the start of a drain and closed at shutdown (grpclib's `close()` cancels the
-calls but leaves the sockets to the garbage collector); a request message refused by its size
-before its body is read, on every service; malformed frames and grpc-timeout headers answered
-INVALID_ARGUMENT; and the client's deadline taken out of grpclib's hands (grpclib answers a
-deadline that passes before the handler starts with UNKNOWN, "Internal Server Error"; the
-servicer and the engine answer DEADLINE_EXCEEDED). Everything here runs in the
-server's asyncio thread.
+`Handler.accept`, `Connection._connection`, `Stream._stream`, and h2's `_prepare_for_sending`):
+the bound port; closing the listening socket while open connections carry on; the open
+connections, counted (drain waits on them), told how many streams each may open (HTTP/2
+MAX_CONCURRENT_STREAMS), closed with a GOAWAY when idle at the start of a drain and closed at
+shutdown (grpclib's `close()` cancels the calls but leaves the sockets to the garbage
+collector); a request message refused by its size before its body is read, on every service;
+malformed frames and grpc-timeout headers answered INVALID_ARGUMENT; and the client's deadline
+taken out of grpclib's hands (grpclib answers a deadline that passes before the handler starts
+with UNKNOWN, "Internal Server Error"; the servicer and the engine answer DEADLINE_EXCEEDED).
+Everything here runs in the server's asyncio thread.
 """
 
 from __future__ import annotations
@@ -25,7 +25,9 @@ from grpclib import GRPCError, Status
 from grpclib.metadata import Deadline
 from grpclib.protocol import H2Protocol
 from grpclib.server import Handler, Server, Stream
+from h2.connection import ConnectionInputs, H2Connection
 from h2.settings import SettingCodes
+from hyperframe.frame import SettingsFrame
 
 from loom.server.bridge import Count
 
@@ -43,10 +45,9 @@ class TrackedProtocol(asyncio.Protocol):
         self.server.connections.add(self)
         self.server.num_connections.add(1)
         self.inner.connection_made(transport)
-        limit: dict[SettingCodes | int, int] = {
-            SettingCodes.MAX_CONCURRENT_STREAMS: self.server.max_streams_per_connection
-        }
-        self.inner.connection._connection.update_settings(limit)
+        advertise_stream_limit(
+            self.inner.connection._connection, self.server.max_streams_per_connection
+        )
         self.inner.connection.flush()
 
     def data_received(self, data: bytes) -> None:
@@ -75,6 +76,22 @@ class TrackedProtocol(asyncio.Protocol):
         self.inner.connection.flush()
         if self.transport is not None:
             self.transport.close()
+
+
+def advertise_stream_limit(connection: H2Connection, limit: int) -> None:
+    """Tell the client it may open `limit` streams at once, in a SETTINGS frame of its own,
+    without h2 enforcing it below its default (100). h2 applies every pending change at the
+    client's first SETTINGS ACK, so a client that has acknowledged grpclib's first frame but
+    not yet read this one would be held to a limit it has not heard, and h2 answers a stream
+    over its limit by dropping the connection, with every stream on it. The servicer refuses
+    the streams over `limit` one by one."""
+    if limit > connection.local_settings.max_concurrent_streams:
+        connection.update_settings({SettingCodes.MAX_CONCURRENT_STREAMS: limit})  # only laxer
+        return
+    frame = SettingsFrame(0)
+    frame.settings = {SettingCodes.MAX_CONCURRENT_STREAMS: limit}
+    connection.state_machine.process_input(ConnectionInputs.SEND_SETTINGS)
+    connection._prepare_for_sending([frame])
 
 
 class LoomHandler(Handler):

@@ -24,6 +24,7 @@ from grpclib.exceptions import StreamTerminatedError
 
 from loom.core.config import SchedulerConfig
 from loom.model.loader import LoadedModel
+from loom.server.server import LoomServer
 from loom.v1 import loom_pb2 as pb
 from loom.v1.loom_grpc import LoomStub
 from tests.greedy import reference_tokens
@@ -201,22 +202,45 @@ async def test_isolation_a_handler_cancelled_while_submitting_leaves_no_request_
     """The client cancels while its handler waits for the trio thread to submit (blocked here
     on purpose, until the client has cancelled): once submitted, the request is aborted at
     once, not kept until the stall timeout holding a slot and blocks."""
-    async with serving(tiny_chat, output_buffer_size=2, stall_timeout=120.0) as (_, port):
+    async with serving(tiny_chat, output_buffer_size=2, stall_timeout=120.0) as (server, port):
         with trio.fail_after(60):
+            submitting = threading.Event()
+            watch_submissions(server, submitting)
             cancelled = threading.Event()
-            client = threading.Thread(target=asyncio.run, args=(send_then_cancel(port, cancelled),))
+            client = threading.Thread(
+                target=asyncio.run, args=(send_then_cancel(port, submitting, cancelled),)
+            )
             client.start()
             cancelled.wait(30)  # blocks the engine's trio thread, on purpose
             await trio.to_thread.run_sync(client.join)
+            assert submitting.is_set()
+            await in_asyncio(wait_finished, port, "aborted")  # in admission or after
             stats = await wait_all_blocks_free(port)
             assert (stats.num_running, stats.num_waiting, stats.num_paused) == (0, 0, 0)
             assert dict(stats.finished) == {"aborted": 1}
 
 
-async def send_then_cancel(port: int, cancelled: threading.Event) -> None:
+def watch_submissions(server: LoomServer, submitting: threading.Event) -> None:
+    """Set `submitting` when a handler asks the trio thread to submit (the call itself is
+    the real one): the moment the test waits for, rather than a guess at how long it takes."""
+    servicer = server.grpc.servicer
+    assert servicer is not None
+    bridge_call = servicer.bridge.call
+
+    async def call(fn: Any, *args: Any, **kwargs: Any) -> Any:
+        if fn == servicer.submit_until:
+            submitting.set()
+        return await bridge_call(fn, *args, **kwargs)
+
+    servicer.bridge.call = call  # type: ignore[method-assign]
+
+
+async def send_then_cancel(
+    port: int, submitting: threading.Event, cancelled: threading.Event
+) -> None:
     async with Channel(HOST, port) as channel, LoomStub(channel).Generate.open() as stream:
         await stream.send_message(greedy([3, 4], 400), end=True)
-        await asyncio.sleep(0.3)  # the handler is waiting on the blocked trio thread
+        await asyncio.to_thread(submitting.wait, 30)  # the handler waits on the trio thread
         await stream.cancel()
         cancelled.set()
 
@@ -322,20 +346,9 @@ async def raw_call(port: int, path: str, data: bytes, headers: list[tuple[str, s
     """One call over a bare HTTP/2 connection, sending `data` as it is, whatever the headers
     say (a grpclib client would give up first). The response's headers and trailers."""
     reader, writer = await asyncio.open_connection(HOST, port)
-    connection = h2.connection.H2Connection(
-        h2.config.H2Configuration(client_side=True, header_encoding="utf-8")
-    )
+    connection = h2_client()
     connection.initiate_connection()
-    request_headers = [
-        (":method", "POST"),
-        (":scheme", "http"),
-        (":path", path),
-        (":authority", f"{HOST}:{port}"),
-        ("content-type", "application/grpc+proto"),
-        ("te", "trailers"),
-        *headers,
-    ]
-    connection.send_headers(1, request_headers)
+    connection.send_headers(1, request_headers(port, path, headers))
     connection.send_data(1, data, end_stream=True)
     received: dict[str, str] = {}
     ended = False
@@ -351,3 +364,89 @@ async def raw_call(port: int, path: str, data: bytes, headers: list[tuple[str, s
             ended = ended or isinstance(event, h2.events.StreamEnded | h2.events.StreamReset)
     writer.close()
     return received
+
+
+def h2_client() -> h2.connection.H2Connection:
+    return h2.connection.H2Connection(
+        h2.config.H2Configuration(client_side=True, header_encoding="utf-8")
+    )
+
+
+def request_headers(
+    port: int, path: str, extra: list[tuple[str, str]] | None = None
+) -> list[tuple[str, str]]:
+    return [
+        (":method", "POST"),
+        (":scheme", "http"),
+        (":path", path),
+        (":authority", f"{HOST}:{port}"),
+        ("content-type", "application/grpc+proto"),
+        ("te", "trailers"),
+        *(extra or []),
+    ]
+
+
+async def test_isolation_streams_opened_before_the_limit_was_heard_are_refused_one_by_one(
+    tiny_chat: LoadedModel,
+) -> None:
+    """A client that has read the server's first SETTINGS frame but not yet the one with
+    MAX_CONCURRENT_STREAMS opens 40 streams at once, as HTTP/2 lets it. The streams over the
+    limit (32) are refused, each with RESOURCE_EXHAUSTED, and the others served on the same
+    connection. Before, h2 applied the limit at the client's first ACK and the server dropped
+    the connection, with every stream on it (seen as a flaky test: 64 streams from one
+    grpclib client, none of them ever served)."""
+    async with serving(tiny_chat) as (_, port):
+        with trio.fail_after(60):
+            statuses = await in_asyncio(open_streams_after_the_first_settings, port, 40)
+    assert sorted(statuses.values()).count(str(Status.OK.value)) == 32, statuses
+    refused = [s for s in statuses.values() if s != str(Status.OK.value)]
+    assert refused == [str(Status.RESOURCE_EXHAUSTED.value)] * 8, statuses
+
+
+async def open_streams_after_the_first_settings(port: int, count: int) -> dict[int, str]:
+    """grpc-status by stream, for `count` Generate calls opened at once after acknowledging
+    only the server's first SETTINGS frame."""
+    reader, writer = await asyncio.open_connection(HOST, port)
+    connection = h2_client()
+    connection.initiate_connection()
+    writer.write(connection.data_to_send())
+    received = b""
+    while (end := end_of_first_settings(received)) is None:
+        received += await reader.read(65536)
+    connection.receive_data(received[:end])  # acknowledges it
+    for i in range(count):
+        stream_id = 2 * i + 1
+        connection.send_headers(stream_id, request_headers(port, GENERATE))
+        connection.send_data(stream_id, frame(greedy([i + 1, 2], 2)), end_stream=True)
+    statuses: dict[int, str] = {}
+    chunk = received[end:]
+    while True:
+        for event in connection.receive_data(chunk):
+            if isinstance(event, h2.events.ResponseReceived | h2.events.TrailersReceived):
+                status = dict(event.headers).get("grpc-status")
+                if status is not None:
+                    statuses[event.stream_id] = status
+            if isinstance(event, h2.events.DataReceived):
+                connection.acknowledge_received_data(event.flow_controlled_length, event.stream_id)
+        writer.write(connection.data_to_send())
+        if len(statuses) == count:
+            break
+        chunk = await reader.read(65536)
+        assert chunk, f"the server closed the connection; {len(statuses)} streams answered"
+    writer.close()
+    return statuses
+
+
+def end_of_first_settings(data: bytes) -> int | None:
+    """Where the first SETTINGS frame (not an ACK) in `data` ends, once it is all there."""
+    offset = 0
+    while offset + 9 <= len(data):
+        length = int.from_bytes(data[offset : offset + 3], "big")
+        kind, flags = data[offset + 3], data[offset + 4]
+        end = offset + 9 + length
+        if end > len(data):
+            return None
+        if kind == 0x4 and not flags & 0x1:
+            return end
+        offset = end
+    return None
