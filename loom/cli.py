@@ -1,4 +1,5 @@
-"""`loom`: the command line: `loom serve`, `loom bench`, `loom bench-step`, `loom health`.
+"""`loom`: the command line: `loom serve`, `loom bench`, `loom bench-step`, `loom bench-quality`,
+`loom health`.
 
 `loom serve`'s flags are generated from the settings of the config classes (ModelConfig,
 EngineConfig with its CacheConfig and SchedulerConfig, ServerConfig), each declared once with
@@ -21,6 +22,7 @@ import attrs
 import trio
 
 from loom.bench import command as bench_command
+from loom.bench import quality as bench_quality
 from loom.bench import step as bench_step
 from loom.engine.config import EngineConfig
 from loom.engine.engine import Engine
@@ -45,6 +47,7 @@ def parser() -> argparse.ArgumentParser:
         add_settings(serve, config)
     bench_command.add_parser(commands)
     bench_step.add_parser(commands)
+    bench_quality.add_parser(commands)
     health_probe.add_parser(commands)
     root.formatter_class = argparse.RawDescriptionHelpFormatter
     root.epilog = serve.format_help()  # so that `loom --help` lists every flag too
@@ -129,6 +132,7 @@ def main(argv: Sequence[str] | None = None) -> None:
             "serve": serve,
             "bench": bench_command.run,
             "bench-step": bench_step.run,
+            "bench-quality": bench_quality.run,
             "health": health_probe.run,
         }
         sys.exit(commands[args.command](args))

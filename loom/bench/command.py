@@ -18,6 +18,7 @@ from loom.bench.baseline import run_baseline
 from loom.bench.metrics import Objectives, summarize, table
 from loom.bench.serving import Workload, drive, launched_server, make_workload
 from loom.core.setting import at_least
+from loom.model.linear import METHODS
 from loom.model.loader import LoadedModel, load_model
 
 
@@ -31,6 +32,12 @@ def add_parser(commands: Any) -> argparse.ArgumentParser:
     add = bench.add_argument
     add("--address", default=None, help="HOST:PORT of a running server (default: launch one)")
     add("--model", default=None, help="the model (launched server, tokenizer and baseline)")
+    add(
+        "--quantization",
+        default=None,
+        choices=METHODS,
+        help="the launched server's --quantization (default: none, the exact path)",
+    )
     add(
         "--serve-args",
         default="",
@@ -91,6 +98,8 @@ def server_address(args: argparse.Namespace) -> Iterator[tuple[str, int]]:
     serve_args = shlex.split(args.serve_args)
     if args.model:
         serve_args += ["--model", args.model]
+    if args.quantization:
+        serve_args += ["--quantization", args.quantization]
     with launched_server(serve_args) as port:
         yield "127.0.0.1", port
 

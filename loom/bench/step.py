@@ -18,6 +18,7 @@ import time
 from collections.abc import Callable
 from typing import Any
 
+import attrs
 import torch
 
 from loom.bench.command import counts
@@ -27,6 +28,7 @@ from loom.core.setting import at_least
 from loom.core.step import SamplingInput, ScheduledSequence, SchedulerOutput
 from loom.model.attention import paged_attention, write_kv
 from loom.model.device import resolve_device, resolve_dtype
+from loom.model.linear import METHODS, check_method
 from loom.model.loader import load_model
 from loom.model.model_runner import ModelRunner
 
@@ -50,6 +52,7 @@ def add_parser(commands: Any) -> argparse.ArgumentParser:
     add("--repeats", type=int, default=10, help="timings per figure (default: 10)")
     add("--device", default="auto", help="auto, cpu, cuda[:N]")
     add("--dtype", default="auto", help="auto (float32 on cpu, bfloat16 on cuda) or a dtype name")
+    add("--quantization", default="none", choices=METHODS, help="as loom serve's (default: none)")
     return bench
 
 
@@ -60,14 +63,20 @@ def run(args: argparse.Namespace) -> None:
         at_least(1)(flag, value)
     at_least(1)("--repeats", args.repeats)
     device = resolve_device(args.device)
-    loaded = load_model(args.model, dtype=resolve_dtype(args.dtype, device), device=device)
+    dtype = resolve_dtype(args.dtype, device)
+    check_method(args.quantization, device, dtype)
+    loaded = load_model(args.model, dtype=dtype, device=device)
+    loaded = attrs.evolve(loaded, quantization=args.quantization)
     blocks_per_seq = -(-(args.context + 1) // BLOCK_SIZE)
     blocks_per_prompt = -(-args.prompt_len // BLOCK_SIZE)
     num_blocks = 1 + 2 * max(blocks_per_seq * max(sizes), blocks_per_prompt * args.prefill)
     runner = ModelRunner(loaded, CacheConfig(block_size=BLOCK_SIZE, num_blocks=num_blocks))
     for layer in runner.kv_cache.k + runner.kv_cache.v:
         layer.normal_()  # written pages, as in a server that has been running
-    print(f"decode step, {args.context} tokens cached per sequence; ms, median of {args.repeats}")
+    print(
+        f"decode step, quantization {args.quantization}, {args.context} tokens cached per "
+        f"sequence; ms, median of {args.repeats}"
+    )
     print(
         f"{'sequences':>10} {'step':>8} {'linear':>8} {'LM head':>8} {'attention':>10} {'rest':>8}"
     )

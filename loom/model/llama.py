@@ -3,11 +3,15 @@
 Weights are taken from a loaded transformers model; q/k/v and gate/up are fused into one matrix
 product each. The arithmetic follows transformers' modules step for step (RMSNorm in float32,
 rotary embedding from the model's own rotary module) so that greedy fp32 decoding gives the very
-tokens of `generate`. The forward takes the whole step's tokens flat, `[T]`, with no batch axis.
+tokens of `generate`, with `quantization="none"`; a quantised method (loom/model/linear.py)
+changes the linear layers' arithmetic and nothing else. The forward takes the whole step's
+tokens flat, `[T]`, with no batch axis.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
+from functools import partial
 from typing import Any
 
 import attrs
@@ -16,42 +20,17 @@ import torch.nn.functional as F  # noqa: N812
 
 from loom.model.attention import AttentionMetadata, paged_attention, write_kv
 from loom.model.kv_cache import KVCache, KVCacheShape
-
-
-class Linear:
-    """`x @ weight.T + bias`. On CPU the weight is prepacked for oneDNN, the path torch's own
-    compiler takes there: on this project's 2-core CPU machines it measured 1.5 to 3 times
-    faster than `F.linear` (MKL) at 1 to 64 rows. Elsewhere, or without oneDNN: F.linear."""
-
-    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None = None) -> None:
-        self.bias = bias
-        self.weight: torch.Tensor | None = weight
-        self.packed: torch.Tensor | None = None
-        onednn = torch.backends.mkldnn.is_available()  # type: ignore[no-untyped-call]
-        if weight.device.type == "cpu" and onednn:
-            try:
-                self.packed = torch.ops.mkldnn._reorder_linear_weight(weight, None)
-                self.weight = None
-            except RuntimeError:  # a dtype or build oneDNN does not take
-                self.packed = None
-
-    def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        if self.weight is not None:
-            return F.linear(x, self.weight, self.bias)
-        out: torch.Tensor = torch.ops.mkldnn._linear_pointwise(
-            x, self.packed, self.bias, "none", [], ""
-        )
-        return out
+from loom.model.linear import LinearLayer, make_linear
 
 
 @attrs.frozen(kw_only=True)
 class LlamaLayer:
     input_norm: torch.Tensor
-    qkv: Linear  # [(H_q + 2 H_kv) D, hidden], with Qwen2's bias
-    o: Linear  # with Llama's attention_bias
+    qkv: LinearLayer  # [(H_q + 2 H_kv) D, hidden], with Qwen2's bias
+    o: LinearLayer  # with Llama's attention_bias
     post_norm: torch.Tensor
-    gate_up: Linear  # [2 intermediate, hidden]
-    down: Linear
+    gate_up: LinearLayer  # [2 intermediate, hidden]
+    down: LinearLayer
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
@@ -63,7 +42,7 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
 class LlamaModel:
     """The forward pass of a Llama-family causal LM, reading and writing K/V through the pool."""
 
-    def __init__(self, hf_model: Any) -> None:
+    def __init__(self, hf_model: Any, *, quantization: str = "none") -> None:
         config = hf_model.config
         self.num_heads: int = config.num_attention_heads
         self.num_kv_heads: int = config.num_key_value_heads
@@ -84,29 +63,33 @@ class LlamaModel:
         weights: dict[str, torch.Tensor] = dict(hf_model.state_dict())
         self.embed = weights["model.embed_tokens.weight"]
         self.final_norm = weights["model.norm.weight"]
-        self.lm_head = Linear(weights.get("lm_head.weight", self.embed))
+        linear = partial(make_linear, method=quantization)
+        self.lm_head = linear(weights.get("lm_head.weight", self.embed))
         self.layers = [
-            self.fuse_layer(weights, f"model.layers.{i}.") for i in range(config.num_hidden_layers)
+            self.fuse_layer(weights, f"model.layers.{i}.", linear)
+            for i in range(config.num_hidden_layers)
         ]
 
     @staticmethod
-    def fuse_layer(weights: dict[str, torch.Tensor], prefix: str) -> LlamaLayer:
+    def fuse_layer(
+        weights: dict[str, torch.Tensor], prefix: str, linear: Callable[..., LinearLayer]
+    ) -> LlamaLayer:
         attn, mlp = prefix + "self_attn.", prefix + "mlp."
         qkv_biases = [
             weights[f"{attn}{p}_proj.bias"] for p in "qkv" if f"{attn}{p}_proj.bias" in weights
         ]
         return LlamaLayer(
             input_norm=weights[prefix + "input_layernorm.weight"],
-            qkv=Linear(
+            qkv=linear(
                 torch.cat([weights[f"{attn}{p}_proj.weight"] for p in "qkv"]),
                 torch.cat(qkv_biases) if qkv_biases else None,
             ),
-            o=Linear(weights[attn + "o_proj.weight"], weights.get(attn + "o_proj.bias")),
+            o=linear(weights[attn + "o_proj.weight"], weights.get(attn + "o_proj.bias")),
             post_norm=weights[prefix + "post_attention_layernorm.weight"],
-            gate_up=Linear(
+            gate_up=linear(
                 torch.cat([weights[mlp + "gate_proj.weight"], weights[mlp + "up_proj.weight"]])
             ),
-            down=Linear(weights[mlp + "down_proj.weight"]),
+            down=linear(weights[mlp + "down_proj.weight"]),
         )
 
     def kv_cache_shape(self, block_size: int) -> KVCacheShape:

@@ -23,6 +23,7 @@ import torch
 
 from loom.core.setting import setting
 from loom.model.device import DTYPES, resolve_device, resolve_dtype
+from loom.model.linear import METHODS, check_method
 
 log = logging.getLogger(__name__)
 
@@ -40,6 +41,7 @@ class LoadedModel:
     tokenizer: Any  # transformers.PreTrainedTokenizerBase
     dtype: torch.dtype
     device: torch.device
+    quantization: str = "none"  # how the runner computes the linear layers (linear.METHODS)
 
     @property
     def eos_token_ids(self) -> tuple[int, ...]:
@@ -66,14 +68,22 @@ class ModelConfig:
         choices=("auto", *DTYPES),
     )
     device: str = setting("auto", "auto, cpu or cuda[:N] (auto: cuda if there is a GPU)")
+    quantization: str = setting(
+        "none",
+        "how the linear layers compute: none (exact, in dtype) or int8 (int8 weights and "
+        "activations; cpu, float32)",
+        choices=METHODS,
+    )
 
     def __attrs_post_init__(self) -> None:
-        resolve_dtype(self.dtype, resolve_device(self.device))  # a bad name fails here, not later
+        device = resolve_device(self.device)  # a bad name fails here, not later
+        check_method(self.quantization, device, resolve_dtype(self.dtype, device))
 
     def load(self) -> LoadedModel:
         device = resolve_device(self.device)
         dtype = resolve_dtype(self.dtype, device)
-        return load_model(self.model, dtype=dtype, device=device, cache_dir=self.model_cache)
+        loaded = load_model(self.model, dtype=dtype, device=device, cache_dir=self.model_cache)
+        return attrs.evolve(loaded, quantization=self.quantization)
 
 
 def default_model_path() -> Path:

@@ -31,7 +31,7 @@ class ModelRunner:
     def __init__(self, loaded: LoadedModel, cache: CacheConfig) -> None:
         self.device = loaded.device
         self.block_size = cache.block_size
-        self.model = LlamaModel(loaded.model)
+        self.model = LlamaModel(loaded.model, quantization=loaded.quantization)
         self.kv_cache_shape = self.model.kv_cache_shape(cache.block_size)
         num_blocks = cache.num_blocks_for(
             self.kv_cache_shape.bytes_per_block, partial(available_memory, self.device)
@@ -57,14 +57,7 @@ class ModelRunner:
         sequences = output.sequences
         if not sequences:
             raise ValueError("a step needs at least one scheduled sequence")
-        for seq in sequences:
-            check_scheduled(seq, self.block_size)
-        hidden = self.model.forward(
-            torch.tensor([t for seq in sequences for t in seq.token_ids], device=self.device),
-            positions(sequences).to(self.device),
-            self.attention_metadata(sequences),
-            self.kv_cache,
-        )
+        hidden = self.forward(sequences)
         rows = [i for i, seq in enumerate(sequences) if seq.sampling is not None]
         if not rows:
             return ModelRunnerOutput(request_ids=(), token_ids=(), logprobs=())
@@ -76,6 +69,22 @@ class ModelRunner:
             request_ids=tuple(sequences[i].request_id for i in rows),
             token_ids=tuple(sampled.token_ids),
             logprobs=tuple(sampled.logprobs),
+        )
+
+    @torch.inference_mode()
+    def logits(self, seq: ScheduledSequence) -> torch.Tensor:
+        """Logits [T, vocab] after each of one sequence's new tokens, K/V written as in a
+        step; nothing sampled (scoring a text: perplexity, the quantised methods' checks)."""
+        return self.model.compute_logits(self.forward([seq])).float()
+
+    def forward(self, sequences: Sequence[ScheduledSequence]) -> torch.Tensor:
+        for seq in sequences:
+            check_scheduled(seq, self.block_size)
+        return self.model.forward(
+            torch.tensor([t for seq in sequences for t in seq.token_ids], device=self.device),
+            positions(sequences).to(self.device),
+            self.attention_metadata(sequences),
+            self.kv_cache,
         )
 
     def attention_metadata(self, sequences: Sequence[ScheduledSequence]) -> AttentionMetadata:
