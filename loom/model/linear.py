@@ -4,11 +4,14 @@ and correctness oracle, or a quantised method that changes the arithmetic openly
 - `none`: the weights in the model's dtype. On CPU they are prepacked for oneDNN, the path
   torch's own compiler takes there: on this project's 2-core CPU machines 1.5 to 3 times faster
   than `F.linear` (MKL) at 1 to 64 rows. Elsewhere, or without oneDNN: `F.linear`.
-- `int8`: weights in int8, one symmetric scale per output channel; each row of activations
-  quantised to int8 as it comes (its own scale), the products in int8 with int32 sums, all in
-  one fbgemm call (x86; qnnpack elsewhere): torch's dynamic quantised Linear without its module.
-  CPU and float32 only. It reads a quarter of fp32's bytes, which is what a decode step at small
-  batch is bound by, and int8 arithmetic is what a prefill is bound by.
+- `int8`: weights in int8, one symmetric scale per output channel; activations quantised to
+  int8 as they come, the products in int8 with int32 sums, in fbgemm (x86; qnnpack elsewhere):
+  torch's dynamic quantised Linear without its module. Each row of activations is brought to
+  the same range first, so that each row has in effect its own scale; the activations' outlier
+  channels are moved into the weights beforehand (loom/model/smoothing.py). The layers where
+  int8 costs the most quality, measured (the MLP's down projection, whose input is SiLU(gate) *
+  up, and the LM head), stay exact. CPU and float32 only. It reads a quarter of fp32's bytes,
+  which is what a decode step at small batch is bound by.
 """
 
 from __future__ import annotations
@@ -24,6 +27,14 @@ METHODS = ("none", "int8")
 
 class LinearLayer(Protocol):
     def __call__(self, x: torch.Tensor) -> torch.Tensor: ...
+
+
+KEPT_EXACT = {"int8": ("down", "lm_head")}
+
+
+def method_for(method: str, layer: str) -> str:
+    """The method a layer of this kind (qkv, o, gate_up, down, lm_head) computes with."""
+    return "none" if layer in KEPT_EXACT.get(method, ()) else method
 
 
 def make_linear(
@@ -85,12 +96,16 @@ class Int8Linear:
         with warnings.catch_warnings():  # quantised tensors are deprecated; the kernels are not
             warnings.simplefilter("ignore", UserWarning)
             quantized = torch.quantize_per_channel(weight, scale, zero_point, 0, torch.qint8)
-        self.packed = torch.ops.quantized.linear_prepack(quantized, bias)
-        self.out_features = weight.shape[0]
+        self.packed = torch.ops.quantized.linear_prepack(quantized, None)
+        self.bias = bias
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        out: torch.Tensor = torch.ops.quantized.linear_dynamic(x, self.packed, True)
-        return out
+        """fbgemm quantises activations with one scale a call (7 bits, so that its int16 pair
+        sums cannot overflow): rows are scaled to one range first and back after."""
+        rows = x.abs().amax(dim=-1, keepdim=True).clamp(min=1e-12)
+        out: torch.Tensor = torch.ops.quantized.linear_dynamic(x / rows, self.packed, True)
+        out = out * rows
+        return out if self.bias is None else out + self.bias
 
     def dequantized(self) -> torch.Tensor:
         """The weight this layer multiplies by, in float32."""

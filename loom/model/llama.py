@@ -11,7 +11,6 @@ tokens flat, `[T]`, with no batch axis.
 from __future__ import annotations
 
 from collections.abc import Callable
-from functools import partial
 from typing import Any
 
 import attrs
@@ -20,7 +19,8 @@ import torch.nn.functional as F  # noqa: N812
 
 from loom.model.attention import AttentionMetadata, paged_attention, write_kv
 from loom.model.kv_cache import KVCache, KVCacheShape
-from loom.model.linear import LinearLayer, make_linear
+from loom.model.linear import LinearLayer, make_linear, method_for
+from loom.model.smoothing import calibration_ids, input_ranges, smooth
 
 
 @attrs.frozen(kw_only=True)
@@ -42,7 +42,7 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
 class LlamaModel:
     """The forward pass of a Llama-family causal LM, reading and writing K/V through the pool."""
 
-    def __init__(self, hf_model: Any, *, quantization: str = "none") -> None:
+    def __init__(self, hf_model: Any, *, quantization: str = "none", tokenizer: Any = None) -> None:
         config = hf_model.config
         self.num_heads: int = config.num_attention_heads
         self.num_kv_heads: int = config.num_key_value_heads
@@ -63,8 +63,22 @@ class LlamaModel:
         weights: dict[str, torch.Tensor] = dict(hf_model.state_dict())
         self.embed = weights["model.embed_tokens.weight"]
         self.final_norm = weights["model.norm.weight"]
-        linear = partial(make_linear, method=quantization)
-        self.lm_head = linear(weights.get("lm_head.weight", self.embed))
+        if quantization == "int8":
+            ids = calibration_ids(tokenizer, self.vocab_size, self.max_model_len)
+            weights = smooth(
+                weights,
+                input_ranges(hf_model, ids),
+                num_layers=config.num_hidden_layers,
+                num_heads=self.num_heads,
+                num_kv_heads=self.num_kv_heads,
+            )
+
+        def linear(
+            layer: str, weight: torch.Tensor, bias: torch.Tensor | None = None
+        ) -> LinearLayer:
+            return make_linear(weight, bias, method=method_for(quantization, layer))
+
+        self.lm_head = linear("lm_head", weights.get("lm_head.weight", self.embed))
         self.layers = [
             self.fuse_layer(weights, f"model.layers.{i}.", linear)
             for i in range(config.num_hidden_layers)
@@ -81,15 +95,17 @@ class LlamaModel:
         return LlamaLayer(
             input_norm=weights[prefix + "input_layernorm.weight"],
             qkv=linear(
+                "qkv",
                 torch.cat([weights[f"{attn}{p}_proj.weight"] for p in "qkv"]),
                 torch.cat(qkv_biases) if qkv_biases else None,
             ),
-            o=linear(weights[attn + "o_proj.weight"], weights.get(attn + "o_proj.bias")),
+            o=linear("o", weights[attn + "o_proj.weight"], weights.get(attn + "o_proj.bias")),
             post_norm=weights[prefix + "post_attention_layernorm.weight"],
             gate_up=linear(
-                torch.cat([weights[mlp + "gate_proj.weight"], weights[mlp + "up_proj.weight"]])
+                "gate_up",
+                torch.cat([weights[mlp + "gate_proj.weight"], weights[mlp + "up_proj.weight"]]),
             ),
-            down=linear(weights[mlp + "down_proj.weight"]),
+            down=linear("down", weights[mlp + "down_proj.weight"]),
         )
 
     def kv_cache_shape(self, block_size: int) -> KVCacheShape:

@@ -31,7 +31,9 @@ class ModelRunner:
     def __init__(self, loaded: LoadedModel, cache: CacheConfig) -> None:
         self.device = loaded.device
         self.block_size = cache.block_size
-        self.model = LlamaModel(loaded.model, quantization=loaded.quantization)
+        self.model = LlamaModel(
+            loaded.model, quantization=loaded.quantization, tokenizer=loaded.tokenizer
+        )
         self.kv_cache_shape = self.model.kv_cache_shape(cache.block_size)
         num_blocks = cache.num_blocks_for(
             self.kv_cache_shape.bytes_per_block, partial(available_memory, self.device)
