@@ -8,9 +8,12 @@ threads. Where a scenario needs a thread to stand still, the test blocks it on p
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import struct
 import threading
 import time
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
 from typing import Any
 
 import h2.config
@@ -345,9 +348,19 @@ async def test_isolation_malformed_frames_are_answered_not_dropped_nor_crashed(
 async def raw_call(port: int, path: str, data: bytes, headers: list[tuple[str, str]]) -> Any:
     """One call over a bare HTTP/2 connection, sending `data` as it is, whatever the headers
     say (a grpclib client would give up first). The response's headers and trailers."""
-    reader, writer = await asyncio.open_connection(HOST, port)
-    connection = h2_client()
-    connection.initiate_connection()
+    async with bare_connection(port) as (reader, writer, connection):
+        return await call_once(reader, writer, connection, port, path, data, headers)
+
+
+async def call_once(
+    reader: asyncio.StreamReader,
+    writer: asyncio.StreamWriter,
+    connection: h2.connection.H2Connection,
+    port: int,
+    path: str,
+    data: bytes,
+    headers: list[tuple[str, str]],
+) -> dict[str, str]:
     connection.send_headers(1, request_headers(port, path, headers))
     connection.send_data(1, data, end_stream=True)
     received: dict[str, str] = {}
@@ -362,8 +375,23 @@ async def raw_call(port: int, path: str, data: bytes, headers: list[tuple[str, s
             if isinstance(event, h2.events.ResponseReceived | h2.events.TrailersReceived):
                 received.update(event.headers)
             ended = ended or isinstance(event, h2.events.StreamEnded | h2.events.StreamReset)
-    writer.close()
     return received
+
+
+@asynccontextmanager
+async def bare_connection(
+    port: int,
+) -> AsyncIterator[tuple[asyncio.StreamReader, asyncio.StreamWriter, h2.connection.H2Connection]]:
+    """A client HTTP/2 connection driven by hand, its socket closed however the test ends."""
+    reader, writer = await asyncio.open_connection(HOST, port)
+    connection = h2_client()
+    connection.initiate_connection()
+    try:
+        yield reader, writer, connection
+    finally:
+        writer.close()
+        with contextlib.suppress(ConnectionError):
+            await writer.wait_closed()
 
 
 def h2_client() -> h2.connection.H2Connection:
@@ -406,9 +434,17 @@ async def test_isolation_streams_opened_before_the_limit_was_heard_are_refused_o
 async def open_streams_after_the_first_settings(port: int, count: int) -> dict[int, str]:
     """grpc-status by stream, for `count` Generate calls opened at once after acknowledging
     only the server's first SETTINGS frame."""
-    reader, writer = await asyncio.open_connection(HOST, port)
-    connection = h2_client()
-    connection.initiate_connection()
+    async with bare_connection(port) as (reader, writer, connection):
+        return await open_streams(reader, writer, connection, port, count)
+
+
+async def open_streams(
+    reader: asyncio.StreamReader,
+    writer: asyncio.StreamWriter,
+    connection: h2.connection.H2Connection,
+    port: int,
+    count: int,
+) -> dict[int, str]:
     writer.write(connection.data_to_send())
     received = b""
     while (end := end_of_first_settings(received)) is None:
@@ -433,7 +469,6 @@ async def open_streams_after_the_first_settings(port: int, count: int) -> dict[i
             break
         chunk = await reader.read(65536)
         assert chunk, f"the server closed the connection; {len(statuses)} streams answered"
-    writer.close()
     return statuses
 
 
