@@ -107,12 +107,6 @@ class Int8Linear:
         out = out * rows
         return out if self.bias is None else out + self.bias
 
-    def dequantized(self) -> torch.Tensor:
-        """The weight this layer multiplies by, in float32."""
-        weight, _ = torch.ops.quantized.linear_unpack(self.packed)
-        result: torch.Tensor = weight.dequantize()
-        return result
-
 
 def select_quantized_engine() -> None:
     """fbgemm on x86, qnnpack elsewhere (the first this build has)."""
