@@ -9,7 +9,12 @@ ARG TORCH_INDEX_URL=https://download.pytorch.org/whl/cpu
 ENV PIP_NO_CACHE_DIR=1 \
     PIP_DISABLE_PIP_VERSION_CHECK=1 \
     PATH=/opt/loom/bin:$PATH \
-    LOOM_CACHE_DIR=/var/cache/loom
+    LOOM_CACHE_DIR=/var/cache/loom \
+    TORCH_EXTENSIONS_DIR=/var/cache/loom/torch_extensions
+# g++ builds Loom's CPU kernels (loom/model/kernels), here once and again if their source changes.
+RUN apt-get update \
+ && apt-get install -y --no-install-recommends "g++=4:12.2.0-3" \
+ && rm -rf /var/lib/apt/lists/*
 RUN python -m venv /opt/loom \
  && pip install --no-cache-dir "torch==${TORCH_VERSION}" --index-url "${TORCH_INDEX_URL}"
 WORKDIR /src
@@ -21,8 +26,10 @@ RUN mkdir loom && touch loom/__init__.py \
  && pip uninstall --yes loom
 COPY loom ./loom
 RUN pip install --no-cache-dir --no-deps . \
- && python -m loom.model.loader
-# The converted default model is baked into the cache, so the first start takes seconds.
+ && python -m loom.model.loader \
+ && python -c "from loom.model.kernels import load; load()"
+# The converted default model and the built kernels are baked into the cache, so the first start
+# takes seconds.
 
 # ---- runtime: the environment and the cache, a fixed non-root user, writable paths for any UID
 FROM ${PYTHON_IMAGE}
@@ -32,7 +39,11 @@ ENV PATH=/opt/loom/bin:$PATH \
     XDG_CACHE_HOME=/var/cache/loom/xdg \
     HF_HOME=/var/cache/loom/huggingface \
     LOOM_CACHE_DIR=/var/cache/loom \
+    TORCH_EXTENSIONS_DIR=/var/cache/loom/torch_extensions \
     PYTHONUNBUFFERED=1
+RUN apt-get update \
+ && apt-get install -y --no-install-recommends "g++=4:12.2.0-3" \
+ && rm -rf /var/lib/apt/lists/*
 RUN useradd --uid "${LOOM_UID}" --gid 0 --home-dir /home/loom --create-home \
         --shell /usr/sbin/nologin loom
 COPY --from=build /opt/loom /opt/loom

@@ -26,6 +26,7 @@ from loom.bench.serving import make_workload
 from loom.core.config import CacheConfig
 from loom.core.setting import at_least
 from loom.core.step import ScheduledSequence
+from loom.model.blocks import BLOCK_ROWS
 from loom.model.linear import METHODS, check_method
 from loom.model.loader import LoadedModel, load_model
 from loom.model.model_runner import ModelRunner
@@ -33,6 +34,13 @@ from loom.model.model_runner import ModelRunner
 TEXT = Path(__file__).parent / "data" / "perplexity.txt"
 BLOCK_SIZE = 16
 CHUNK = 512  # tokens scored per forward
+
+
+def chunk_for(method: str) -> int:
+    """Tokens scored per forward. q4 multiplies by its blocks only up to BLOCK_ROWS rows (a
+    decode step; more rows take the exact path), so it is scored that many tokens at a time:
+    the arithmetic that generates its tokens."""
+    return BLOCK_ROWS if method == "q4" else CHUNK
 
 
 def add_parser(commands: Any) -> argparse.ArgumentParser:
@@ -70,9 +78,9 @@ def run(args: argparse.Namespace) -> None:
     reference = 0.0
     for method in methods:
         runner = exact if method == "none" else runner_for(loaded, method, len(text))
-        ppl = perplexity(runner, text)
+        ppl = perplexity(runner, text, chunk_for(method))
         reference = reference or ppl
-        agree, whole = agreement(runner, workload.prompts, continuations)
+        agree, whole = agreement(runner, workload.prompts, continuations, chunk_for(method))
         print(
             f"{method:>8} {ppl:>11.3f} {(ppl / reference - 1) * 100:>+7.2f}% "
             f"{agree * 100:>12.1f}% {whole:>3}/{len(continuations)}"
@@ -97,11 +105,11 @@ def logits(runner: ModelRunner, token_ids: list[int], start: int = 0) -> torch.T
     return runner.logits(seq)
 
 
-def perplexity(runner: ModelRunner, text: list[int]) -> float:
-    """exp of the mean negative log-likelihood of text[1:], CHUNK tokens a forward."""
+def perplexity(runner: ModelRunner, text: list[int], chunk: int = CHUNK) -> float:
+    """exp of the mean negative log-likelihood of text[1:], `chunk` tokens a forward."""
     nll = 0.0
-    for start in range(0, len(text) - 1, CHUNK):
-        end = min(start + CHUNK, len(text) - 1)
+    for start in range(0, len(text) - 1, chunk):
+        end = min(start + chunk, len(text) - 1)
         out = logits(runner, text[:end], start).log_softmax(dim=-1)
         targets = torch.tensor(text[start + 1 : end + 1])
         nll -= float(out.gather(1, targets[:, None]).sum())
@@ -118,13 +126,21 @@ def greedy(runner: ModelRunner, prompt: tuple[int, ...], num_tokens: int) -> lis
 
 
 def agreement(
-    runner: ModelRunner, prompts: tuple[tuple[int, ...], ...], continuations: list[list[int]]
+    runner: ModelRunner,
+    prompts: tuple[tuple[int, ...], ...],
+    continuations: list[list[int]],
+    chunk: int = CHUNK,
 ) -> tuple[float, int]:
     """The share of the exact continuations' tokens this runner would choose given the same
-    tokens before them, and how many continuations it chooses whole."""
+    tokens before them, and how many continuations it chooses whole. The prompt is one
+    forward, as a server prefills it; the continuation `chunk` tokens a forward."""
     agreed = whole = 0
     for prompt, continuation in zip(prompts, continuations, strict=True):
-        out = logits(runner, [*prompt, *continuation[:-1]])[len(prompt) - 1 :]
+        tokens = [*prompt, *continuation[:-1]]
+        parts = [logits(runner, tokens[: len(prompt)])[-1:]]
+        for start in range(len(prompt), len(tokens), chunk):
+            parts.append(logits(runner, tokens[: start + chunk], start))
+        out = torch.cat(parts)
         matches = int((out.argmax(dim=-1) == torch.tensor(continuation)).sum())
         agreed += matches
         whole += matches == len(continuation)

@@ -53,6 +53,13 @@ def add_parser(commands: Any) -> argparse.ArgumentParser:
     add("--device", default="auto", help="auto, cpu, cuda[:N]")
     add("--dtype", default="auto", help="auto (float32 on cpu, bfloat16 on cuda) or a dtype name")
     add("--quantization", default="none", choices=METHODS, help="as loom serve's (default: none)")
+    add(
+        "--decode-attention",
+        default="in-place",
+        choices=("in-place", "gather"),
+        help="decode attention reading the pool in place where it can (the default), or "
+        "gathering each sequence's blocks into a copy for SDPA, as before",
+    )
     return bench
 
 
@@ -71,11 +78,14 @@ def run(args: argparse.Namespace) -> None:
     blocks_per_prompt = -(-args.prompt_len // BLOCK_SIZE)
     num_blocks = 1 + 2 * max(blocks_per_seq * max(sizes), blocks_per_prompt * args.prefill)
     runner = ModelRunner(loaded, CacheConfig(block_size=BLOCK_SIZE, num_blocks=num_blocks))
+    if args.decode_attention == "gather":
+        runner.model.decode_in_place = False
     for layer in runner.kv_cache.k + runner.kv_cache.v:
         layer.normal_()  # written pages, as in a server that has been running
     print(
-        f"decode step, quantization {args.quantization}, {args.context} tokens cached per "
-        f"sequence; ms, median of {args.repeats}"
+        f"decode step, quantization {args.quantization}, decode attention "
+        f"{'in place' if runner.model.decode_in_place else 'over gathered blocks'}, "
+        f"{args.context} tokens cached per sequence; ms, median of {args.repeats}"
     )
     print(
         f"{'sequences':>10} {'step':>8} {'linear':>8} {'LM head':>8} {'attention':>10} {'rest':>8}"

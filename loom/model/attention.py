@@ -22,6 +22,10 @@ group for single-token (decode) sequences, one for the rest (prefill chunks), so
 chunk does not pad every decode to its length. Padding blocks are block 0, the null block; every
 key past a query's position is masked out. Query padding repeats the sequence's last token and
 is dropped.
+
+Decode groups on CPU in float32 skip the gather: Loom's kernel (loom/model/kernels/blocks.cpp)
+reads each key and value in place through the block table, one task per sequence and KV head.
+Elsewhere (GPU, other dtypes, no compiler) every group takes the gather and SDPA.
 """
 
 from __future__ import annotations
@@ -31,6 +35,8 @@ from collections.abc import Sequence
 import attrs
 import torch
 import torch.nn.functional as F  # noqa: N812
+
+from loom.model import kernels
 
 
 @attrs.frozen(kw_only=True)
@@ -42,6 +48,7 @@ class AttentionGroup:
     mask: torch.Tensor  # [S, 1, G * Q or 1, B * block_size] additive: 0 where row g * Q + i attends
     valid: torch.Tensor  # [S, Q] True for real (unpadded) queries
     output_index: torch.Tensor  # [N] flat token index of each real query, in `valid` order
+    seq_lens: torch.Tensor  # [S] keys each sequence attends
 
 
 @attrs.frozen(kw_only=True)
@@ -50,6 +57,17 @@ class AttentionMetadata:
 
     slot_mapping: torch.Tensor  # [T] pool slot for each new token's K and V
     groups: tuple[AttentionGroup, ...]
+    decode_in_place: bool = False  # decode groups read the pool in place (Loom's CPU kernel)
+
+
+def can_decode_in_place(device: torch.device, dtype: torch.dtype, head_dim: int) -> bool:
+    """Whether decode attention can read the pool in place here; builds the kernels if so."""
+    if device.type != "cpu" or dtype != torch.float32 or head_dim not in (16, 32, 64, 128):
+        return False
+    if kernels.unavailable() is not None:
+        return False
+    kernels.load()
+    return True
 
 
 def build_attention_metadata(
@@ -61,6 +79,7 @@ def build_attention_metadata(
     device: torch.device,
     num_queries_per_kv: int = 1,
     dtype: torch.dtype = torch.float32,
+    decode_in_place: bool = False,
 ) -> AttentionMetadata:
     """`num_queries_per_kv` (G): query heads per KV head, folded into the query axis. `dtype`: the
     queries' (the additive mask is built in it, once per step rather than by SDPA per layer)."""
@@ -89,7 +108,9 @@ def build_attention_metadata(
         for members in (decode, prefill)
         if members
     )
-    return AttentionMetadata(slot_mapping=slot_mapping.to(device), groups=groups)
+    return AttentionMetadata(
+        slot_mapping=slot_mapping.to(device), groups=groups, decode_in_place=decode_in_place
+    )
 
 
 def slots_for(block_table: Sequence[int], positions: range, block_size: int) -> torch.Tensor:
@@ -135,6 +156,7 @@ def build_group(
         mask=mask[:, None].to(device),
         valid=valid.to(device),
         output_index=query_index[valid].to(device),
+        seq_lens=(computed + q_lens).to(device),
     )
 
 
@@ -168,6 +190,16 @@ def paged_attention(
     out = torch.empty_like(query)
     for group in metadata.groups:
         num_seqs, num_queries = group.query_index.shape
+        if num_queries == 1 and metadata.decode_in_place:
+            out[group.output_index] = torch.ops.loom.paged_decode_attention(
+                query[group.output_index],
+                k_cache,
+                v_cache,
+                group.block_index.view(num_seqs, -1),
+                group.seq_lens,
+                scale,
+            )
+            continue
         keys = k_cache.index_select(0, group.block_index).view(num_seqs, -1, num_kv_heads, head_dim)
         values = v_cache.index_select(0, group.block_index)
         values = values.view(num_seqs, -1, num_kv_heads, head_dim)

@@ -12,6 +12,12 @@ and correctness oracle, or a quantised method that changes the arithmetic openly
   int8 costs the most quality, measured (the MLP's down projection, whose input is SiLU(gate) *
   up, and the LM head), stay exact. CPU and float32 only. It reads a quarter of fp32's bytes,
   which is what a decode step at small batch is bound by.
+- `q4`: llama.cpp's Q4_1 blocks (4-bit weights with a scale and a minimum per 32) for the
+  layers, Q8_0 blocks for the LM head, activations quantised to int8 per block of 32 as they
+  come, in Loom's own kernels (loom/model/blocks.py). The default model's file is Q4_1 with a
+  Q8_0 embedding, so its weights are held with no loss beyond the file's own. Up to a few rows
+  (decode) the blocks are multiplied in place; above (prefill, large batches) the same weights,
+  dequantised, on the exact path. CPU (AVX2) and float32 only.
 """
 
 from __future__ import annotations
@@ -22,19 +28,24 @@ from typing import Protocol
 import torch
 import torch.nn.functional as F  # noqa: N812
 
-METHODS = ("none", "int8")
+from loom.model import kernels
+from loom.model.blocks import BlockLinear, pack, unpack
+
+METHODS = ("none", "int8", "q4")
 
 
 class LinearLayer(Protocol):
     def __call__(self, x: torch.Tensor) -> torch.Tensor: ...
 
 
-KEPT_EXACT = {"int8": ("down", "lm_head")}
+# Where a layer computes otherwise than its method says: int8's costliest layers stay exact;
+# q4's LM head is in 8-bit blocks, as the default model's file holds it.
+LAYER_METHODS = {"int8": {"down": "none", "lm_head": "none"}, "q4": {"lm_head": "q8"}}
 
 
 def method_for(method: str, layer: str) -> str:
     """The method a layer of this kind (qkv, o, gate_up, down, lm_head) computes with."""
-    return "none" if layer in KEPT_EXACT.get(method, ()) else method
+    return LAYER_METHODS.get(method, {}).get(layer, method)
 
 
 def make_linear(
@@ -45,6 +56,9 @@ def make_linear(
         return Linear(weight, bias)
     if method == "int8":
         return Int8Linear(weight, bias)
+    if method in ("q4", "q8"):
+        blocks = pack(weight, bits=int(method[1:]))
+        return BlockLinear(blocks, bias, dense=Linear(unpack(blocks), bias))
     raise ValueError(f"quantization must be one of {', '.join(METHODS)}, got {method!r}")
 
 
@@ -52,11 +66,13 @@ def check_method(method: str, device: torch.device, dtype: torch.dtype) -> None:
     """Whether `method` runs on `device` in `dtype`, else a ValueError that says why not."""
     if method not in METHODS:
         raise ValueError(f"quantization must be one of {', '.join(METHODS)}, got {method!r}")
-    if method == "int8" and (device.type != "cpu" or dtype != torch.float32):
+    if method != "none" and (device.type != "cpu" or dtype != torch.float32):
         raise ValueError(
-            f"quantization=int8 runs on cpu in float32, not on {device.type} in "
+            f"quantization={method} runs on cpu in float32, not on {device.type} in "
             f"{str(dtype).removeprefix('torch.')}"
         )
+    if method == "q4" and (reason := kernels.unavailable()) is not None:
+        raise ValueError(f"quantization=q4 needs Loom's CPU kernels: {reason}")
 
 
 class Linear:

@@ -17,7 +17,12 @@ import attrs
 import torch
 import torch.nn.functional as F  # noqa: N812
 
-from loom.model.attention import AttentionMetadata, paged_attention, write_kv
+from loom.model.attention import (
+    AttentionMetadata,
+    can_decode_in_place,
+    paged_attention,
+    write_kv,
+)
 from loom.model.kv_cache import KVCache, KVCacheShape
 from loom.model.linear import LinearLayer, make_linear, method_for
 from loom.model.smoothing import calibration_ids, input_ranges, smooth
@@ -63,6 +68,9 @@ class LlamaModel:
         weights: dict[str, torch.Tensor] = dict(hf_model.state_dict())
         self.embed = weights["model.embed_tokens.weight"]
         self.final_norm = weights["model.norm.weight"]
+        self.decode_in_place = can_decode_in_place(
+            self.embed.device, self.embed.dtype, self.head_dim
+        )
         if quantization == "int8":
             ids = calibration_ids(tokenizer, self.vocab_size, self.max_model_len)
             weights = smooth(

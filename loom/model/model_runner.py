@@ -99,6 +99,7 @@ class ModelRunner:
             device=self.device,
             num_queries_per_kv=self.model.num_heads // self.model.num_kv_heads,
             dtype=self.kv_cache_shape.dtype,
+            decode_in_place=self.model.decode_in_place,
         )
 
 

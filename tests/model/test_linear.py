@@ -30,7 +30,7 @@ def test_linear_int8_products_stay_within_two_percent_of_the_exact_ones() -> Non
 
 
 def test_linear_unknown_or_unsupported_methods_are_refused_by_name() -> None:
-    with pytest.raises(ValueError, match="quantization must be one of none, int8, got 'int3'"):
+    with pytest.raises(ValueError, match="quantization must be one of none, int8, q4, got 'int3'"):
         make_linear(torch.zeros(2, 2), method="int3")
     with pytest.raises(ValueError, match="quantization=int8 runs on cpu in float32, not on cuda"):
         check_method("int8", torch.device("cuda"), torch.bfloat16)

@@ -13,9 +13,11 @@ from tests.grpc_client import generate, greedy, in_asyncio, token_ids, wait_all_
 from tests.server_harness import serving
 
 
-async def test_quantization_int8_serves_streams_to_their_length(tiny_chat: LoadedModel) -> None:
-    int8 = attrs.evolve(tiny_chat, quantization="int8")
-    async with serving(int8) as (_, port):
+@pytest.mark.parametrize("method", ["int8", "q4"])
+async def test_quantization_serves_streams_to_their_length(
+    tiny_chat: LoadedModel, method: str
+) -> None:
+    async with serving(attrs.evolve(tiny_chat, quantization=method)) as (_, port):
         with trio.fail_after(60):
             async with trio.open_nursery() as nursery:
                 results: list[list[int]] = []
@@ -31,8 +33,9 @@ async def test_quantization_int8_serves_streams_to_their_length(tiny_chat: Loade
 
 
 @pytest.mark.smollm2
-async def test_quantization_int8_smollm2_still_knows_the_capital_of_france(
-    smollm2: LoadedModel,
+@pytest.mark.parametrize("method", ["int8", "q4"])
+async def test_quantization_smollm2_still_knows_the_capital_of_france(
+    smollm2: LoadedModel, method: str
 ) -> None:
     question = pb.GenerateRequest(
         messages=pb.ChatMessages(
@@ -40,7 +43,7 @@ async def test_quantization_int8_smollm2_still_knows_the_capital_of_france(
         ),
         sampling=pb.SamplingParams(temperature=0, max_tokens=20),
     )
-    async with serving(attrs.evolve(smollm2, quantization="int8")) as (_, port):
+    async with serving(attrs.evolve(smollm2, quantization=method)) as (_, port):
         with trio.fail_after(120):
             responses = await in_asyncio(generate, port, question)
     text = "".join((r.delta if r.HasField("delta") else r.final.delta).text for r in responses)

@@ -1,0 +1,316 @@
+// Matrix products over GGUF-style weight blocks, for x86 CPUs with AVX2 (every CPU this project
+// runs on: Zen 3 and Zen 4). Built at run time by loom/model/kernels/__init__.py.
+//
+// Weights come in blocks of 32 along the input axis, as in llama.cpp's files:
+//   q4: w = d * q + m, q in 0..15. Per block: 16 bytes, byte j holding q[j] (low nibble) and
+//       q[j + 16] (high nibble); d and m in float32 arrays [N, K / 32].
+//   q8: w = d * q, q in -127..127. Per block: 32 int8; d in float32 [N, K / 32].
+// Activations are quantised as they come, per row and per block of 32, with one scale
+// s = max|x| / 127 to int8 for q4 weights (llama.cpp's Q8_1 for the activations), and
+// s = max|x| / 32767 to int16 for q8 weights, so that a block's product is integer arithmetic:
+//   sum_i (d q_i + m) (s x_i) = d s sum_i q_i x_i + m (s sum_i x_i)
+// q4: AVX2's maddubs (unsigned 8 bit times signed 8 bit, pairs summed in 16 bits: at most
+// 2 * 15 * 127, no overflow), then madd to 32 bits. q8: madd of 16-bit pairs to 32 bits (at most
+// 4 * 127 * 32767 over a lane's four products).
+
+#include <ATen/ATen.h>
+#include <ATen/Parallel.h>
+#include <immintrin.h>
+#include <torch/library.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <vector>
+
+namespace {
+
+constexpr int64_t kBlock = 32;
+constexpr int64_t kRowTile = 4;  // activation rows sharing one unpacked weight block
+
+float hsum(__m256 v) {
+  __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+  s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+  s = _mm_add_ss(s, _mm_movehdup_ps(s));
+  return _mm_cvtss_f32(s);
+}
+
+// x [M, K] float32 -> q [M, K] int8 (T = int8_t) or int16 (T = int16_t), per block of 32 with
+// scale s = max|x| / 127 (or / 32767) in s [M, K / 32], and s * sum q in sx [M, K / 32].
+template <typename T>
+void quantize_rows(const float* x, int64_t rows, int64_t k, T* q, float* s, float* sx) {
+  constexpr float kMax = sizeof(T) == 1 ? 127.0f : 32767.0f;
+  const int64_t blocks = k / kBlock;
+  const __m256 sign = _mm256_set1_ps(-0.0f);
+  at::parallel_for(0, rows * blocks, 64, [&](int64_t begin, int64_t end) {
+    for (int64_t i = begin; i < end; ++i) {
+      const float* xb = x + i * kBlock;
+      __m256 v[4];
+      __m256 amax = _mm256_setzero_ps();
+      for (int j = 0; j < 4; ++j) {
+        v[j] = _mm256_loadu_ps(xb + 8 * j);
+        amax = _mm256_max_ps(amax, _mm256_andnot_ps(sign, v[j]));
+      }
+      __m128 m4 = _mm_max_ps(_mm256_castps256_ps128(amax), _mm256_extractf128_ps(amax, 1));
+      m4 = _mm_max_ps(m4, _mm_movehl_ps(m4, m4));
+      m4 = _mm_max_ss(m4, _mm_movehdup_ps(m4));
+      const float max_abs = _mm_cvtss_f32(m4);
+      const __m256 inv = _mm256_set1_ps(max_abs > 0.0f ? kMax / max_abs : 0.0f);
+      __m256i n[4];
+      __m256i total = _mm256_setzero_si256();
+      for (int j = 0; j < 4; ++j) {
+        n[j] = _mm256_cvtps_epi32(
+            _mm256_round_ps(_mm256_mul_ps(v[j], inv), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
+        total = _mm256_add_epi32(total, n[j]);
+      }
+      // 32 int32 -> 32 narrower in order: packs work within 128-bit lanes, permutes restore it.
+      const __m256i p16a = _mm256_packs_epi32(n[0], n[1]);
+      const __m256i p16b = _mm256_packs_epi32(n[2], n[3]);
+      __m256i* out = reinterpret_cast<__m256i*>(q + i * kBlock);
+      if constexpr (sizeof(T) == 1) {
+        const __m256i p8 = _mm256_packs_epi16(p16a, p16b);
+        _mm256_storeu_si256(out, _mm256_permutevar8x32_epi32(p8, _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7)));
+      } else {
+        _mm256_storeu_si256(out, _mm256_permute4x64_epi64(p16a, 0xD8));
+        _mm256_storeu_si256(out + 1, _mm256_permute4x64_epi64(p16b, 0xD8));
+      }
+      __m128i t = _mm_add_epi32(_mm256_castsi256_si128(total), _mm256_extracti128_si256(total, 1));
+      t = _mm_hadd_epi32(t, t);
+      t = _mm_hadd_epi32(t, t);
+      s[i] = max_abs / kMax;
+      sx[i] = s[i] * static_cast<float>(_mm_cvtsi128_si32(t));
+    }
+  });
+}
+
+// The 32 weights of a q4 block as bytes 0..15, in element order.
+inline __m256i unpack_q4(const uint8_t* block) {
+  const __m128i packed = _mm_loadu_si128(reinterpret_cast<const __m128i*>(block));
+  const __m128i low = _mm_set1_epi8(0x0F);
+  return _mm256_set_m128i(_mm_and_si128(_mm_srli_epi16(packed, 4), low), _mm_and_si128(packed, low));
+}
+
+// Quantised activations: int8 for q4 weights, int16 for q8 weights (the LM head, whose logits
+// decide the token: int8 activations there flip near-ties, measured).
+template <typename T>
+struct Activations {
+  const T* q;
+  const float* s;
+  const float* sx;
+  int64_t k;
+};
+
+// The int32 partial sums (8 lanes) of one block: q4 weights (unpacked) times int8 activations,
+// or q8 weights times int16 activations.
+inline __m256i block_dot(__m256i w, const int8_t* x) {
+  const __m256i xv = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(x));
+  return _mm256_madd_epi16(_mm256_maddubs_epi16(w, xv), _mm256_set1_epi16(1));
+}
+
+inline __m256i block_dot(__m256i w, const int16_t* x) {
+  const __m256i w_low = _mm256_cvtepi8_epi16(_mm256_castsi256_si128(w));
+  const __m256i w_high = _mm256_cvtepi8_epi16(_mm256_extracti128_si256(w, 1));
+  const __m256i* xv = reinterpret_cast<const __m256i*>(x);
+  return _mm256_add_epi32(_mm256_madd_epi16(w_low, _mm256_loadu_si256(xv)),
+                          _mm256_madd_epi16(w_high, _mm256_loadu_si256(xv + 1)));
+}
+
+// out[r, n] for rows r0 .. r0 + R - 1 and one output n: q4 weights (wm, the minimums, given)
+// with int8 activations, or q8 weights (wm null) with int16 activations.
+template <int R, typename T>
+inline void dot_rows(const Activations<T>& a, int64_t r0, const uint8_t* wq, const float* wd,
+                     const float* wm, float* out, int64_t out_stride) {
+  constexpr bool kQ4 = sizeof(T) == 1;
+  const int64_t blocks = a.k / kBlock;
+  __m256 acc[R];
+  float msum[R];
+  for (int t = 0; t < R; ++t) {
+    acc[t] = _mm256_setzero_ps();
+    msum[t] = 0.0f;
+  }
+  for (int64_t b = 0; b < blocks; ++b) {
+    const __m256i w = kQ4 ? unpack_q4(wq + b * (kBlock / 2))
+                          : _mm256_loadu_si256(reinterpret_cast<const __m256i*>(wq + b * kBlock));
+    const float d = wd[b];
+    for (int t = 0; t < R; ++t) {
+      const int64_t row = r0 + t;
+      const __m256 f = _mm256_cvtepi32_ps(block_dot(w, a.q + row * a.k + b * kBlock));
+      acc[t] = _mm256_fmadd_ps(_mm256_set1_ps(d * a.s[row * blocks + b]), f, acc[t]);
+      if constexpr (kQ4) msum[t] += wm[b] * a.sx[row * blocks + b];
+    }
+  }
+  for (int t = 0; t < R; ++t) out[(r0 + t) * out_stride] = hsum(acc[t]) + msum[t];
+}
+
+// x [..., K] float32 times a weight in blocks: T = int8_t for q4 (wm given), int16_t for q8.
+template <typename T>
+at::Tensor block_linear(const at::Tensor& x_in, const at::Tensor& wq, const at::Tensor& wd,
+                        const c10::optional<at::Tensor>& wm, const c10::optional<at::Tensor>& bias) {
+  constexpr bool kQ4 = sizeof(T) == 1;
+  TORCH_CHECK(x_in.scalar_type() == at::kFloat, "activations must be float32");
+  const at::Tensor x = x_in.reshape({-1, x_in.size(-1)}).contiguous();
+  const int64_t rows = x.size(0), k = x.size(1), n = wd.size(0);
+  TORCH_CHECK(k % kBlock == 0 && wd.size(1) == k / kBlock, "input size ", k, " does not match the weight");
+  at::Tensor q = at::empty({rows, k}, x.options().dtype(kQ4 ? at::kChar : at::kShort));
+  at::Tensor s = at::empty({rows, k / kBlock}, x.options());
+  at::Tensor sx = at::empty({rows, k / kBlock}, x.options());
+  T* q_ptr = reinterpret_cast<T*>(q.data_ptr());
+  quantize_rows<T>(x.data_ptr<float>(), rows, k, q_ptr, s.data_ptr<float>(), sx.data_ptr<float>());
+  at::Tensor out = at::empty({rows, n}, x.options());
+  const Activations<T> a{q_ptr, s.data_ptr<float>(), sx.data_ptr<float>(), k};
+  const uint8_t* wq_ptr = reinterpret_cast<const uint8_t*>(wq.data_ptr());
+  const float* wd_ptr = wd.data_ptr<float>();
+  const float* wm_ptr = kQ4 ? wm->data_ptr<float>() : nullptr;
+  const int64_t row_bytes = kQ4 ? k / 2 : k, blocks = k / kBlock;
+  float* out_ptr = out.data_ptr<float>();
+  at::parallel_for(0, n, 16, [&](int64_t begin, int64_t end) {
+    for (int64_t j = begin; j < end; ++j) {
+      const uint8_t* wrow = wq_ptr + j * row_bytes;
+      const float* drow = wd_ptr + j * blocks;
+      const float* mrow = kQ4 ? wm_ptr + j * blocks : nullptr;
+      int64_t r = 0;
+      for (; r + kRowTile <= rows; r += kRowTile)
+        dot_rows<kRowTile, T>(a, r, wrow, drow, mrow, out_ptr + j, n);
+      switch (rows - r) {
+        case 3: dot_rows<3, T>(a, r, wrow, drow, mrow, out_ptr + j, n); break;
+        case 2: dot_rows<2, T>(a, r, wrow, drow, mrow, out_ptr + j, n); break;
+        case 1: dot_rows<1, T>(a, r, wrow, drow, mrow, out_ptr + j, n); break;
+        default: break;
+      }
+    }
+  });
+  if (bias.has_value()) out.add_(*bias);
+  auto shape = x_in.sizes().vec();
+  shape.back() = n;
+  return out.view(shape);
+}
+
+at::Tensor q4_linear(const at::Tensor& x, const at::Tensor& wq, const at::Tensor& wd,
+                     const at::Tensor& wm, const c10::optional<at::Tensor>& bias) {
+  return block_linear<int8_t>(x, wq, wd, wm, bias);
+}
+
+at::Tensor q8_linear(const at::Tensor& x, const at::Tensor& wq, const at::Tensor& wd,
+                     const c10::optional<at::Tensor>& bias) {
+  return block_linear<int16_t>(x, wq, wd, c10::nullopt, bias);
+}
+
+// exp on 8 floats, for x <= 0 (softmax's x - max): n = round(x / ln 2), r = x - n ln 2, Cephes'
+// polynomial for exp(r) on |r| <= ln 2 / 2, times 2^n; below -87.3 (exp < 2^-126) it gives 2^-126.
+inline __m256 exp_nonpositive(__m256 x) {
+  x = _mm256_max_ps(x, _mm256_set1_ps(-87.3f));
+  const __m256 n = _mm256_round_ps(_mm256_mul_ps(x, _mm256_set1_ps(1.44269504088896341f)),
+                                   _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  __m256 r = _mm256_fnmadd_ps(n, _mm256_set1_ps(0.693359375f), x);
+  r = _mm256_fnmadd_ps(n, _mm256_set1_ps(-2.12194440e-4f), r);
+  __m256 p = _mm256_set1_ps(1.9875691500e-4f);
+  for (const float c : {1.3981999507e-3f, 8.3334519073e-3f, 4.1665795894e-2f, 1.6666665459e-1f,
+                        5.0000001201e-1f})
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(c));
+  p = _mm256_add_ps(_mm256_fmadd_ps(p, _mm256_mul_ps(r, r), r), _mm256_set1_ps(1.0f));
+  const __m256i e = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
+  return _mm256_mul_ps(p, _mm256_castsi256_ps(e));
+}
+
+// Decode attention for one sequence and one KV head, the G query heads that share it: scores,
+// softmax, the weighted sum of values. Keys and values are read in place, a block at a time
+// through the block table. V = head_dim / 8 is a template argument so that a row's accumulators
+// stay in registers.
+template <int V>
+void attend(const float* q, const float* k_pool, const float* v_pool, const int64_t* table,
+            int64_t len, int64_t block_size, int64_t row, int64_t group, float scale, float* out,
+            std::vector<float>& scores) {
+  constexpr int64_t dim = 8 * V;
+  const int64_t stride = (len + 7) / 8 * 8;
+  scores.resize(group * stride);
+  for (int64_t g = 0; g < group; ++g) {
+    const float* qg = q + g * dim;
+    float* sg = scores.data() + g * stride;
+    for (int64_t l0 = 0; l0 < len; l0 += block_size) {
+      const float* k = k_pool + table[l0 / block_size] * block_size * row;
+      const int64_t rows = std::min(block_size, len - l0);
+      for (int64_t r = 0; r < rows; ++r, k += row) {
+        __m256 acc = _mm256_mul_ps(_mm256_loadu_ps(qg), _mm256_loadu_ps(k));
+        for (int i = 1; i < V; ++i)
+          acc = _mm256_fmadd_ps(_mm256_loadu_ps(qg + 8 * i), _mm256_loadu_ps(k + 8 * i), acc);
+        sg[l0 + r] = hsum(acc) * scale;
+      }
+    }
+    float max = sg[0];
+    for (int64_t l = 1; l < len; ++l) max = std::max(max, sg[l]);
+    __m256 total = _mm256_setzero_ps();
+    const __m256 vmax = _mm256_set1_ps(max);
+    const __m256 lanes = _mm256_setr_ps(0, 1, 2, 3, 4, 5, 6, 7);
+    for (int64_t l = 0; l < stride; l += 8) {
+      __m256 e = exp_nonpositive(_mm256_sub_ps(_mm256_loadu_ps(sg + l), vmax));
+      if (l + 8 > len) {  // zero the padding past len (its scores are stale)
+        const __m256 index = _mm256_add_ps(_mm256_set1_ps(static_cast<float>(l)), lanes);
+        e = _mm256_and_ps(e, _mm256_cmp_ps(index, _mm256_set1_ps(static_cast<float>(len)), _CMP_LT_OQ));
+      }
+      _mm256_storeu_ps(sg + l, e);
+      total = _mm256_add_ps(total, e);
+    }
+    __m256 acc[V];
+    for (int i = 0; i < V; ++i) acc[i] = _mm256_setzero_ps();
+    for (int64_t l0 = 0; l0 < len; l0 += block_size) {
+      const float* v = v_pool + table[l0 / block_size] * block_size * row;
+      const int64_t rows = std::min(block_size, len - l0);
+      for (int64_t r = 0; r < rows; ++r, v += row) {
+        const __m256 p = _mm256_set1_ps(sg[l0 + r]);
+        for (int i = 0; i < V; ++i) acc[i] = _mm256_fmadd_ps(p, _mm256_loadu_ps(v + 8 * i), acc[i]);
+      }
+    }
+    const __m256 inv = _mm256_set1_ps(1.0f / hsum(total));
+    for (int i = 0; i < V; ++i) _mm256_storeu_ps(out + g * dim + 8 * i, _mm256_mul_ps(acc[i], inv));
+  }
+}
+
+// Decode attention read in place from the paged pool: query [S, H_q, D] (one token per
+// sequence), k/v cache [blocks, block_size, H_kv, D], block_tables [S, B] (int64), seq_lens [S]:
+// sequence s attends its first seq_lens[s] keys, key l at row l % block_size of block
+// block_tables[s][l / block_size]. One task per (sequence, KV head). D is 16, 32, 64 or 128.
+at::Tensor paged_decode_attention(const at::Tensor& query, const at::Tensor& k_cache,
+                                  const at::Tensor& v_cache, const at::Tensor& block_tables,
+                                  const at::Tensor& seq_lens, double scale) {
+  TORCH_CHECK(query.scalar_type() == at::kFloat && k_cache.scalar_type() == at::kFloat,
+              "paged_decode_attention takes float32");
+  TORCH_CHECK(k_cache.is_contiguous() && v_cache.is_contiguous(), "the pool must be contiguous");
+  const at::Tensor q = query.contiguous();
+  const at::Tensor tables = block_tables.to(at::kLong).contiguous();
+  const at::Tensor lens = seq_lens.to(at::kLong).contiguous();
+  const int64_t seqs = q.size(0), heads = q.size(1), dim = q.size(2);
+  const int64_t block_size = k_cache.size(1), kv_heads = k_cache.size(2);
+  const int64_t group = heads / kv_heads, max_blocks = tables.size(1);
+  TORCH_CHECK(heads % kv_heads == 0 && k_cache.size(3) == dim, "query and pool do not match");
+  auto* kernel = dim == 16 ? &attend<2> : dim == 32 ? &attend<4> : dim == 64 ? &attend<8>
+               : dim == 128 ? &attend<16> : nullptr;
+  TORCH_CHECK(kernel != nullptr, "head_dim must be 16, 32, 64 or 128, not ", dim);
+  at::Tensor out = at::empty_like(q);
+  const float* qp = q.data_ptr<float>();
+  const float* kp = k_cache.data_ptr<float>();
+  const float* vp = v_cache.data_ptr<float>();
+  const int64_t* tp = tables.data_ptr<int64_t>();
+  const int64_t* lp = lens.data_ptr<int64_t>();
+  float* op = out.data_ptr<float>();
+  const int64_t row = kv_heads * dim;
+  at::parallel_for(0, seqs * kv_heads, 1, [&](int64_t begin, int64_t end) {
+    std::vector<float> scores;
+    for (int64_t task = begin; task < end; ++task) {
+      const int64_t s = task / kv_heads, h = task % kv_heads, len = lp[s];
+      TORCH_CHECK(len >= 1 && len <= max_blocks * block_size, "sequence length out of range");
+      const int64_t first = (s * heads + h * group) * dim;
+      kernel(qp + first, kp + h * dim, vp + h * dim, tp + s * max_blocks, len, block_size, row,
+             group, static_cast<float>(scale), op + first, scores);
+    }
+  });
+  return out;
+}
+
+}  // namespace
+
+TORCH_LIBRARY(loom, m) {
+  m.def("q4_linear(Tensor x, Tensor wq, Tensor wd, Tensor wm, Tensor? bias) -> Tensor", &q4_linear);
+  m.def("q8_linear(Tensor x, Tensor wq, Tensor wd, Tensor? bias) -> Tensor", &q8_linear);
+  m.def("paged_decode_attention(Tensor query, Tensor k_cache, Tensor v_cache, Tensor block_tables, "
+        "Tensor seq_lens, float scale) -> Tensor", &paged_decode_attention);
+}
