@@ -71,6 +71,8 @@ class LlamaModel:
         self.decode_in_place = can_decode_in_place(
             self.embed.device, self.embed.dtype, self.head_dim
         )
+        # Norms, rotary and the K/V write fused, where the CPU kernels run (the same condition).
+        self.fused = self.decode_in_place and self.embed.shape[1] % 8 == 0
         if quantization == "int8":
             ids = calibration_ids(tokenizer, self.vocab_size, self.max_model_len)
             weights = smooth(
@@ -141,18 +143,24 @@ class LlamaModel:
         # [-x2, x1] * sin == roll(x) * [-sin1, sin2], bit for bit, in one copy fewer.
         half = self.head_dim // 2
         sin = torch.cat([-sin[..., :half], sin[..., half:]], dim=-1)
+        delta: torch.Tensor | None = None  # what the last MLP adds to the residual stream
         for layer, k_cache, v_cache in zip(self.layers, kv_cache.k, kv_cache.v, strict=True):
-            hidden = hidden + self.attention(
-                layer,
-                rms_norm(hidden, layer.input_norm, self.eps),
-                cos,
-                sin,
-                metadata,
-                k_cache,
-                v_cache,
-            )
-            hidden = hidden + self.mlp(layer, rms_norm(hidden, layer.post_norm, self.eps))
-        return hidden
+            x = self.add_norm(hidden, delta, layer.input_norm)
+            x = self.attention(layer, x, cos, sin, metadata, k_cache, v_cache)
+            delta = self.mlp(layer, self.add_norm(hidden, x, layer.post_norm))
+        return hidden if delta is None else hidden.add_(delta)
+
+    def add_norm(
+        self, hidden: torch.Tensor, delta: torch.Tensor | None, weight: torch.Tensor
+    ) -> torch.Tensor:
+        """`hidden += delta` (the residual stream, in place), then RMSNorm of it: one fused
+        kernel where Loom's CPU kernels run."""
+        if self.fused:
+            out: torch.Tensor = torch.ops.loom.add_rms_norm(hidden, delta, weight, self.eps)
+            return out
+        if delta is not None:
+            hidden.add_(delta)
+        return rms_norm(hidden, weight, self.eps)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """Logits [N, vocab] for hidden states [N, hidden]: the final norm and the LM head."""
@@ -171,6 +179,12 @@ class LlamaModel:
         num_tokens = x.shape[0]
         q_size, kv_size = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
         qkv = layer.qkv(x)
+        if self.fused:  # rotary and the K/V write in one pass, bit for bit the same
+            q = torch.ops.loom.rotary_write_kv(
+                qkv, cos, sin, metadata.slot_mapping, k_cache, v_cache, self.num_heads
+            )
+            out = paged_attention(q, k_cache, v_cache, metadata, self.scale)
+            return layer.o(out.reshape(num_tokens, q_size))
         qk = qkv[:, : q_size + kv_size].view(num_tokens, -1, self.head_dim)
         qk = qk * cos + qk.roll(self.head_dim // 2, dims=-1) * sin  # rotary, q and k at once
         q, k = qk[:, : self.num_heads], qk[:, self.num_heads :]

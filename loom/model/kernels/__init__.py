@@ -18,7 +18,7 @@ from pathlib import Path
 import torch
 
 SOURCES = [Path(__file__).with_name("blocks.cpp")]
-FLAGS = ["-O3", "-mavx2", "-mfma", "-mf16c", "-fopenmp"]
+FLAGS = ["-O3", "-mavx2", "-mfma", "-mf16c", "-fopenmp", "-ffp-contract=off"]
 
 
 def unavailable() -> str | None:

@@ -306,6 +306,89 @@ at::Tensor paged_decode_attention(const at::Tensor& query, const at::Tensor& k_c
   return out;
 }
 
+// RMSNorm of each row of x [T, H] (float32), after adding `delta` to x in place when given (the
+// residual stream): x * rsqrt(mean(x^2) + eps) * weight, as transformers' LlamaRMSNorm.
+at::Tensor add_rms_norm(at::Tensor x, const c10::optional<at::Tensor>& delta,
+                        const at::Tensor& weight, double eps) {
+  TORCH_CHECK(x.scalar_type() == at::kFloat && x.is_contiguous() && x.dim() == 2,
+              "add_rms_norm takes contiguous float32 [T, H]");
+  const int64_t rows = x.size(0), h = x.size(1);
+  TORCH_CHECK(h % 8 == 0 && weight.numel() == h, "hidden size must be a multiple of 8");
+  at::Tensor d;
+  if (delta.has_value()) d = delta->contiguous();
+  const float* dp = delta.has_value() ? d.data_ptr<float>() : nullptr;
+  const at::Tensor w = weight.contiguous();
+  const float* wp = w.data_ptr<float>();
+  at::Tensor out = at::empty_like(x);
+  float* xp = x.data_ptr<float>();
+  float* op = out.data_ptr<float>();
+  at::parallel_for(0, rows, 16, [&](int64_t begin, int64_t end) {
+    for (int64_t r = begin; r < end; ++r) {
+      float* xr = xp + r * h;
+      __m256 squares = _mm256_setzero_ps();
+      for (int64_t i = 0; i < h; i += 8) {
+        __m256 v = _mm256_loadu_ps(xr + i);
+        if (dp != nullptr) {
+          v = _mm256_add_ps(v, _mm256_loadu_ps(dp + r * h + i));
+          _mm256_storeu_ps(xr + i, v);
+        }
+        squares = _mm256_add_ps(squares, _mm256_mul_ps(v, v));
+      }
+      const float inv = 1.0f / std::sqrt(hsum(squares) / static_cast<float>(h) + static_cast<float>(eps));
+      const __m256 vinv = _mm256_set1_ps(inv);
+      for (int64_t i = 0; i < h; i += 8)
+        _mm256_storeu_ps(op + r * h + i, _mm256_mul_ps(_mm256_loadu_ps(wp + i),
+                                                       _mm256_mul_ps(_mm256_loadu_ps(xr + i), vinv)));
+    }
+  });
+  return out;
+}
+
+// The attention block's elementwise work between the qkv product and attention, in one pass:
+// rotary embedding of q and k (x * cos + roll(x, D / 2) * sin, where sin's first half is
+// negated: transformers' rotate_half), then k and v written to the pool at their slots.
+// qkv [T, (H_q + 2 H_kv) D]; cos, sin [T, D]; returns q [T, H_q, D].
+at::Tensor rotary_write_kv(const at::Tensor& qkv_in, const at::Tensor& cos_in,
+                           const at::Tensor& sin_in, const at::Tensor& slots_in,
+                           at::Tensor k_cache, at::Tensor v_cache, int64_t num_heads) {
+  const at::Tensor qkv = qkv_in.contiguous(), cos = cos_in.contiguous(), sin = sin_in.contiguous();
+  const at::Tensor slots = slots_in.to(at::kLong).contiguous();
+  TORCH_CHECK(qkv.scalar_type() == at::kFloat && k_cache.scalar_type() == at::kFloat,
+              "rotary_write_kv takes float32");
+  TORCH_CHECK(k_cache.is_contiguous() && v_cache.is_contiguous(), "the pool must be contiguous");
+  const int64_t tokens = qkv.size(0), kv_heads = k_cache.size(2), dim = k_cache.size(3);
+  const int64_t half = dim / 2, width = (num_heads + 2 * kv_heads) * dim;
+  TORCH_CHECK(qkv.size(1) == width && half % 8 == 0, "qkv does not match the heads");
+  at::Tensor q = at::empty({tokens, num_heads, dim}, qkv.options());
+  const float* in = qkv.data_ptr<float>();
+  const float* cp = cos.data_ptr<float>();
+  const float* sp = sin.data_ptr<float>();
+  const int64_t* slot = slots.data_ptr<int64_t>();
+  float* qp = q.data_ptr<float>();
+  float* kp = k_cache.data_ptr<float>();
+  float* vp = v_cache.data_ptr<float>();
+  at::parallel_for(0, tokens, 16, [&](int64_t begin, int64_t end) {
+    for (int64_t t = begin; t < end; ++t) {
+      const float* row = in + t * width;
+      const float* c = cp + t * dim;
+      const float* sn = sp + t * dim;
+      for (int64_t head = 0; head < num_heads + kv_heads; ++head) {
+        const float* x = row + head * dim;
+        float* out = head < num_heads ? qp + (t * num_heads + head) * dim
+                                      : kp + (slot[t] * kv_heads + head - num_heads) * dim;
+        for (int64_t i = 0; i < dim; i += 8) {
+          const int64_t j = i < half ? i + half : i - half;  // roll by half
+          const __m256 a = _mm256_mul_ps(_mm256_loadu_ps(x + i), _mm256_loadu_ps(c + i));
+          const __m256 b = _mm256_mul_ps(_mm256_loadu_ps(x + j), _mm256_loadu_ps(sn + i));
+          _mm256_storeu_ps(out + i, _mm256_add_ps(a, b));
+        }
+      }
+      std::copy(row + (num_heads + kv_heads) * dim, row + width, vp + slot[t] * kv_heads * dim);
+    }
+  });
+  return q;
+}
+
 }  // namespace
 
 TORCH_LIBRARY(loom, m) {
@@ -313,4 +396,7 @@ TORCH_LIBRARY(loom, m) {
   m.def("q8_linear(Tensor x, Tensor wq, Tensor wd, Tensor? bias) -> Tensor", &q8_linear);
   m.def("paged_decode_attention(Tensor query, Tensor k_cache, Tensor v_cache, Tensor block_tables, "
         "Tensor seq_lens, float scale) -> Tensor", &paged_decode_attention);
+  m.def("add_rms_norm(Tensor(a!) x, Tensor? delta, Tensor weight, float eps) -> Tensor", &add_rms_norm);
+  m.def("rotary_write_kv(Tensor qkv, Tensor cos, Tensor sin, Tensor slots, Tensor(a!) k_cache, "
+        "Tensor(b!) v_cache, int num_heads) -> Tensor", &rotary_write_kv);
 }
