@@ -15,11 +15,12 @@ from typing import Any
 import torch
 
 from loom.bench.baseline import run_baseline
+from loom.bench.llama_cpp import check_llama_server, drive_llama_server, launched_llama_server
 from loom.bench.metrics import Objectives, summarize, table
 from loom.bench.serving import Workload, drive, launched_server, make_workload
 from loom.core.setting import at_least
 from loom.model.linear import METHODS
-from loom.model.loader import LoadedModel, load_model
+from loom.model.loader import LoadedModel, default_model_path, load_model
 
 
 def add_parser(commands: Any) -> argparse.ArgumentParser:
@@ -65,6 +66,14 @@ def add_parser(commands: Any) -> argparse.ArgumentParser:
     add("--seed", type=int, default=0)
     add("--warmup", type=int, default=2, help="unmeasured requests first (default: 2)")
     add("--baseline", action="store_true", help="also run transformers generate, static batches")
+    add(
+        "--llama-server",
+        type=Path,
+        default=None,
+        metavar="PATH",
+        help="also drive llama.cpp's llama-server binary at PATH on the model's GGUF file, "
+        "same prompts (see loom/bench/llama_cpp.py)",
+    )
     add("--goodput", default="", help="latency objectives in ms, e.g. ttft=2000,tpot=200")
     add("--json", type=Path, default=None, help="write the results here")
     return bench
@@ -116,11 +125,15 @@ def run(args: argparse.Namespace) -> int:
         at_least(minimum)(flag, value)
     if not args.request_rate > 0:
         raise ValueError(f"--request-rate must be above 0, got {args.request_rate}")
+    if args.llama_server is not None:
+        check_llama_server(args.llama_server, gguf_of(args))
     loaded = load_model(args.model, dtype=torch.float32, device=torch.device("cpu"))
     pad = loaded.tokenizer.pad_token_id or loaded.tokenizer.eos_token_id or 0
-    with server_address(args) as (host, port):
+    with server_address(args) as (host, port), llama_server(args, concurrencies) as llama:
         try:
-            results = [measure(args, loaded, pad, goals, host, port, c) for c in concurrencies]
+            results = [
+                measure(args, loaded, pad, goals, (host, port), llama, c) for c in concurrencies
+            ]
         except ConnectionError as exc:
             print(f"loom bench: no server answers at {host}:{port} ({exc})", file=sys.stderr)
             return 2
@@ -133,16 +146,34 @@ def run(args: argparse.Namespace) -> int:
     return 1 if failed else 0
 
 
+@contextlib.contextmanager
+def llama_server(args: argparse.Namespace, concurrencies: list[int]) -> Iterator[int | None]:
+    """The port of a launched llama-server with `--llama-server`, else None."""
+    if args.llama_server is None:
+        yield None
+        return
+    tokens = args.input_len + args.output_len + 16
+    with launched_llama_server(
+        args.llama_server, gguf_of(args), max(concurrencies), tokens
+    ) as port:
+        yield port
+
+
+def gguf_of(args: argparse.Namespace) -> Path:
+    return Path(args.model) if args.model else default_model_path()
+
+
 def measure(
     args: argparse.Namespace,
     loaded: LoadedModel,
     pad: int,
     goals: Objectives,
-    host: str,
-    port: int,
+    address: tuple[str, int],
+    llama_port: int | None,
     concurrency: int,
 ) -> dict[str, Any]:
-    """One concurrency level: warm up, drive the server, then the baseline if asked; print."""
+    """One concurrency level: warm up, drive the server, then the baselines asked for; print."""
+    host, port = address
     workload = make_workload(
         loaded.tokenizer,
         args.num_prompts or concurrency,
@@ -165,16 +196,38 @@ def measure(
         "concurrency": concurrency,
         "loom": summarize(timings, duration, goals) | {"server": server},
     }
-    if args.baseline:
-        base_timings, base_duration = run_baseline(loaded.model, pad, workload, concurrency)
-        result["baseline"] = summarize(base_timings, base_duration, goals)
+    result |= baselines(args, loaded, pad, goals, workload, llama_port, concurrency)
     title = (
         f"\n== concurrency {concurrency}: {len(workload.prompts)} requests, "
         f"{args.input_len} prompt + {args.output_len} output tokens; "
         f"KV blocks used at most {server['max_used_blocks']}/{server['num_total_blocks']}, "
         f"preemptions {server['num_preemptions']}"
     )
-    print(table(title, result["loom"], result.get("baseline")), flush=True)
+    print(table(title, result["loom"], result.get("baseline"), "transformers"), flush=True)
+    if "llama_cpp" in result:
+        print(table("", result["loom"], result["llama_cpp"], "llama.cpp"), flush=True)
+    return result
+
+
+def baselines(
+    args: argparse.Namespace,
+    loaded: LoadedModel,
+    pad: int,
+    goals: Objectives,
+    workload: Workload,
+    llama_port: int | None,
+    concurrency: int,
+) -> dict[str, Any]:
+    """transformers' `generate` (`--baseline`) and llama.cpp's server (`--llama-server`)."""
+    result = {}
+    if args.baseline:
+        base_timings, base_duration = run_baseline(loaded.model, pad, workload, concurrency)
+        result["baseline"] = summarize(base_timings, base_duration, goals)
+    if llama_port is not None:
+        warm = Workload(prompts=workload.prompts[: args.warmup], output_len=8)
+        drive_llama_server(llama_port, warm, 1)  # unmeasured, as Loom's warm-up
+        llama_timings, llama_duration = drive_llama_server(llama_port, workload, concurrency)
+        result["llama_cpp"] = summarize(llama_timings, llama_duration, goals)
     return result
 
 

@@ -117,10 +117,15 @@ def lookup(summary: dict[str, object], path: tuple[str, ...]) -> float:
     return float(value)  # type: ignore[arg-type]
 
 
-def table(title: str, loom: dict[str, object], baseline: dict[str, object] | None) -> str:
-    """A text table; with a baseline, its column and Loom's ratio (higher is better for rates,
-    lower for latencies: the ratio is Loom / baseline either way)."""
-    header = f"{'':<16}{'loom':>12}" + (f"{'baseline':>12}{'ratio':>9}" if baseline else "")
+def table(
+    title: str,
+    loom: dict[str, object],
+    baseline: dict[str, object] | None,
+    name: str = "baseline",
+) -> str:
+    """A text table; with a baseline, its column (headed `name`) and Loom's ratio (higher is
+    better for rates, lower for latencies: the ratio is Loom / baseline either way)."""
+    header = f"{'':<16}{'loom':>12}" + (f"{name:>12}{'ratio':>9}" if baseline else "")
     lines = [title, header]
     for label, path, _ in ROWS:
         value = lookup(loom, path)

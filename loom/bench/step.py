@@ -94,8 +94,8 @@ def run(args: argparse.Namespace) -> None:
         parts = decode_parts(runner, num_seqs, args.context, args.repeats)
         rest = parts["step"] - parts["linear"] - parts["lm_head"] - parts["attention"]
         print(
-            f"{num_seqs:>10} {parts['step']:>8.1f} {parts['linear']:>8.1f} "
-            f"{parts['lm_head']:>8.1f} {parts['attention']:>10.1f} {rest:>8.1f}"
+            f"{num_seqs:>10} {parts['step']:>8.2f} {parts['linear']:>8.2f} "
+            f"{parts['lm_head']:>8.2f} {parts['attention']:>10.2f} {rest:>8.2f}"
         )
     prompts = scheduled(runner, args.prefill, 0, args.prompt_len, prefill=True)
     prefill_ms = median_ms(lambda: runner.execute_model(prompts), max(2, args.repeats // 3))

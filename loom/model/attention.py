@@ -187,17 +187,15 @@ def paged_attention(
     faster than SDPA's own enable_gqa on CPU)."""
     num_kv_heads, head_dim = k_cache.shape[2], k_cache.shape[3]
     group_size = query.shape[1] // num_kv_heads
+    groups = metadata.groups
+    if metadata.decode_in_place and len(groups) == 1 and groups[0].query_index.shape[1] == 1:
+        return decode_in_place(query, k_cache, v_cache, groups[0], scale)  # all decodes, in order
     out = torch.empty_like(query)
-    for group in metadata.groups:
+    for group in groups:
         num_seqs, num_queries = group.query_index.shape
         if num_queries == 1 and metadata.decode_in_place:
-            out[group.output_index] = torch.ops.loom.paged_decode_attention(
-                query[group.output_index],
-                k_cache,
-                v_cache,
-                group.block_index.view(num_seqs, -1),
-                group.seq_lens,
-                scale,
+            out[group.output_index] = decode_in_place(
+                query[group.output_index], k_cache, v_cache, group, scale
             )
             continue
         keys = k_cache.index_select(0, group.block_index).view(num_seqs, -1, num_kv_heads, head_dim)
@@ -211,4 +209,19 @@ def paged_attention(
         o = o.view(num_seqs, num_kv_heads, group_size, num_queries, head_dim).permute(0, 3, 1, 2, 4)
         o = o.reshape(num_seqs * num_queries, -1, head_dim)
         out[group.output_index] = o if num_queries == 1 else o[group.valid.flatten()]
+    return out
+
+
+def decode_in_place(
+    query: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    group: AttentionGroup,
+    scale: float,
+) -> torch.Tensor:
+    """A decode group's attention [S, H_q, D], keys and values read in place (Loom's kernel)."""
+    num_seqs = group.seq_lens.shape[0]
+    out: torch.Tensor = torch.ops.loom.paged_decode_attention(
+        query, k_cache, v_cache, group.block_index.view(num_seqs, -1), group.seq_lens, scale
+    )
     return out

@@ -71,8 +71,9 @@ class LlamaModel:
         self.decode_in_place = can_decode_in_place(
             self.embed.device, self.embed.dtype, self.head_dim
         )
-        # Norms, rotary and the K/V write fused, where the CPU kernels run (the same condition).
+        # Norms, rotary and the K/V write, SiLU and its product fused, where the CPU kernels run.
         self.fused = self.decode_in_place and self.embed.shape[1] % 8 == 0
+        self.fused &= config.intermediate_size % 8 == 0
         if quantization == "int8":
             ids = calibration_ids(tokenizer, self.vocab_size, self.max_model_len)
             weights = smooth(
@@ -194,5 +195,8 @@ class LlamaModel:
         return layer.o(out.reshape(num_tokens, q_size))
 
     def mlp(self, layer: LlamaLayer, x: torch.Tensor) -> torch.Tensor:
-        gate, up = layer.gate_up(x).chunk(2, dim=-1)
+        gate_up = layer.gate_up(x)
+        if self.fused:
+            return layer.down(torch.ops.loom.silu_mul(gate_up))
+        gate, up = gate_up.chunk(2, dim=-1)
         return layer.down(F.silu(gate) * up)

@@ -81,6 +81,11 @@ def test_bench_runs_against_a_launched_server_with_the_baseline(
         (["--output-len", "0"], "--output-len must be at least 1, got 0"),
         (["--request-rate", "0"], "--request-rate must be above 0"),
         (["--goodput", "ttfb=100"], "--goodput takes ttft, tpot and e2e, not ttfb"),
+        (["--llama-server", "/no/llama-server"], "--llama-server: no such file: /no/llama-server"),
+        (
+            ["--llama-server", sys.executable, "--model", "some/folder"],
+            "--llama-server serves GGUF files; the model is some/folder",
+        ),
     ],
 )
 def test_bench_refuses_bad_flags_by_name(flags: list[str], message: str) -> None:

@@ -195,10 +195,11 @@ at::Tensor q8_linear(const at::Tensor& x, const at::Tensor& wq, const at::Tensor
   return block_linear<int16_t>(x, wq, wd, c10::nullopt, bias);
 }
 
-// exp on 8 floats, for x <= 0 (softmax's x - max): n = round(x / ln 2), r = x - n ln 2, Cephes'
-// polynomial for exp(r) on |r| <= ln 2 / 2, times 2^n; below -87.3 (exp < 2^-126) it gives 2^-126.
-inline __m256 exp_nonpositive(__m256 x) {
-  x = _mm256_max_ps(x, _mm256_set1_ps(-87.3f));
+// exp on 8 floats: n = round(x / ln 2), r = x - n ln 2, Cephes' polynomial for exp(r) on
+// |r| <= ln 2 / 2, times 2^n. x is clamped to [-87.3, 88.3]: below, exp gives 2^-126 (softmax
+// zeroes what it must; SiLU divides by it), above, about 2^127.
+inline __m256 exp8(__m256 x) {
+  x = _mm256_min_ps(_mm256_max_ps(x, _mm256_set1_ps(-87.3f)), _mm256_set1_ps(88.3f));
   const __m256 n = _mm256_round_ps(_mm256_mul_ps(x, _mm256_set1_ps(1.44269504088896341f)),
                                    _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
   __m256 r = _mm256_fnmadd_ps(n, _mm256_set1_ps(0.693359375f), x);
@@ -242,7 +243,7 @@ void attend(const float* q, const float* k_pool, const float* v_pool, const int6
     const __m256 vmax = _mm256_set1_ps(max);
     const __m256 lanes = _mm256_setr_ps(0, 1, 2, 3, 4, 5, 6, 7);
     for (int64_t l = 0; l < stride; l += 8) {
-      __m256 e = exp_nonpositive(_mm256_sub_ps(_mm256_loadu_ps(sg + l), vmax));
+      __m256 e = exp8(_mm256_sub_ps(_mm256_loadu_ps(sg + l), vmax));
       if (l + 8 > len) {  // zero the padding past len (its scores are stale)
         const __m256 index = _mm256_add_ps(_mm256_set1_ps(static_cast<float>(l)), lanes);
         e = _mm256_and_ps(e, _mm256_cmp_ps(index, _mm256_set1_ps(static_cast<float>(len)), _CMP_LT_OQ));
@@ -268,7 +269,7 @@ void attend(const float* q, const float* k_pool, const float* v_pool, const int6
 // Decode attention read in place from the paged pool: query [S, H_q, D] (one token per
 // sequence), k/v cache [blocks, block_size, H_kv, D], block_tables [S, B] (int64), seq_lens [S]:
 // sequence s attends its first seq_lens[s] keys, key l at row l % block_size of block
-// block_tables[s][l / block_size]. One task per (sequence, KV head). D is 16, 32, 64 or 128.
+// block_tables[s][l / block_size]. D is 16, 32, 64 or 128.
 at::Tensor paged_decode_attention(const at::Tensor& query, const at::Tensor& k_cache,
                                   const at::Tensor& v_cache, const at::Tensor& block_tables,
                                   const at::Tensor& seq_lens, double scale) {
@@ -293,14 +294,17 @@ at::Tensor paged_decode_attention(const at::Tensor& query, const at::Tensor& k_c
   const int64_t* lp = lens.data_ptr<int64_t>();
   float* op = out.data_ptr<float>();
   const int64_t row = kv_heads * dim;
-  at::parallel_for(0, seqs * kv_heads, 1, [&](int64_t begin, int64_t end) {
+  // Few sequences: a task per query head, so that both cores have work at one sequence; many:
+  // a task per KV head, its query heads sharing each key and value as it is read.
+  const int64_t per_task = seqs * kv_heads < 2 * at::get_num_threads() ? 1 : group;
+  at::parallel_for(0, seqs * heads / per_task, 1, [&](int64_t begin, int64_t end) {
     std::vector<float> scores;
     for (int64_t task = begin; task < end; ++task) {
-      const int64_t s = task / kv_heads, h = task % kv_heads, len = lp[s];
+      const int64_t s = task * per_task / heads, head = task * per_task % heads, len = lp[s];
       TORCH_CHECK(len >= 1 && len <= max_blocks * block_size, "sequence length out of range");
-      const int64_t first = (s * heads + h * group) * dim;
+      const int64_t first = (s * heads + head) * dim, h = head / group;
       kernel(qp + first, kp + h * dim, vp + h * dim, tp + s * max_blocks, len, block_size, row,
-             group, static_cast<float>(scale), op + first, scores);
+             per_task, static_cast<float>(scale), op + first, scores);
     }
   });
   return out;
@@ -389,6 +393,29 @@ at::Tensor rotary_write_kv(const at::Tensor& qkv_in, const at::Tensor& cos_in,
   return q;
 }
 
+// The MLP's activation: gate_up [T, 2I] (gate, then up) -> SiLU(gate) * up [T, I], with
+// SiLU(g) = g / (1 + exp(-g)) as torch computes it.
+at::Tensor silu_mul(const at::Tensor& gate_up_in) {
+  const at::Tensor gate_up = gate_up_in.contiguous();
+  TORCH_CHECK(gate_up.scalar_type() == at::kFloat && gate_up.dim() == 2, "silu_mul takes float32 [T, 2I]");
+  const int64_t rows = gate_up.size(0), width = gate_up.size(1) / 2;
+  TORCH_CHECK(width % 8 == 0 && gate_up.size(1) == 2 * width, "intermediate size must be a multiple of 8");
+  at::Tensor out = at::empty({rows, width}, gate_up.options());
+  const float* in = gate_up.data_ptr<float>();
+  float* op = out.data_ptr<float>();
+  const __m256 one = _mm256_set1_ps(1.0f), sign = _mm256_set1_ps(-0.0f);
+  at::parallel_for(0, rows * (width / 8), 256, [&](int64_t begin, int64_t end) {
+    for (int64_t i = begin; i < end; ++i) {
+      const int64_t r = i / (width / 8), c = i % (width / 8) * 8;
+      const __m256 g = _mm256_loadu_ps(in + r * 2 * width + c);
+      const __m256 u = _mm256_loadu_ps(in + r * 2 * width + width + c);
+      const __m256 silu = _mm256_div_ps(g, _mm256_add_ps(one, exp8(_mm256_xor_ps(g, sign))));
+      _mm256_storeu_ps(op + r * width + c, _mm256_mul_ps(silu, u));
+    }
+  });
+  return out;
+}
+
 }  // namespace
 
 TORCH_LIBRARY(loom, m) {
@@ -396,6 +423,7 @@ TORCH_LIBRARY(loom, m) {
   m.def("q8_linear(Tensor x, Tensor wq, Tensor wd, Tensor? bias) -> Tensor", &q8_linear);
   m.def("paged_decode_attention(Tensor query, Tensor k_cache, Tensor v_cache, Tensor block_tables, "
         "Tensor seq_lens, float scale) -> Tensor", &paged_decode_attention);
+  m.def("silu_mul(Tensor gate_up) -> Tensor", &silu_mul);
   m.def("add_rms_norm(Tensor(a!) x, Tensor? delta, Tensor weight, float eps) -> Tensor", &add_rms_norm);
   m.def("rotary_write_kv(Tensor qkv, Tensor cos, Tensor sin, Tensor slots, Tensor(a!) k_cache, "
         "Tensor(b!) v_cache, int num_heads) -> Tensor", &rotary_write_kv);

@@ -1,0 +1,114 @@
+"""The second baseline: llama.cpp's server on the same GGUF file, prompts and lengths.
+
+`loom bench --llama-server PATH` launches PATH, llama.cpp's `llama-server` (built from the tree
+vendored in the `llama-cpp-python` sdist; BENCHMARKS.md says how), on the model's GGUF file with
+as many slots as the largest concurrency and a thread per core, and drives its streaming
+`/completion` endpoint as the Loom clients drive Loom: the prompts as token ids, greedy, exactly
+`output_len` tokens (`ignore_eos`), no prompt cache, all requests at once with at most
+`concurrency` in flight. Not a dependency of Loom and not run in CI.
+"""
+
+from __future__ import annotations
+
+import http.client
+import json
+import os
+import socket
+import subprocess
+import time
+from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
+from contextlib import contextmanager
+from pathlib import Path
+
+from loom.bench.metrics import RequestTiming
+from loom.bench.serving import Workload
+
+
+@contextmanager
+def launched_llama_server(
+    binary: Path, gguf: Path, slots: int, tokens_per_slot: int
+) -> Iterator[int]:
+    """`llama-server` on a free loopback port; yields the port once /health answers 200."""
+    check_llama_server(binary, gguf)
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        port = int(probe.getsockname()[1])
+    command = [
+        str(binary),
+        *("--model", str(gguf), "--host", "127.0.0.1", "--port", str(port)),
+        *("--parallel", str(slots), "--ctx-size", str(slots * tokens_per_slot)),
+        *("--threads", str(os.cpu_count() or 1), "--no-webui"),
+    ]
+    process = subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    try:
+        deadline = time.monotonic() + 120
+        while not healthy(port):
+            if process.poll() is not None or time.monotonic() > deadline:
+                raise RuntimeError(f"llama-server did not start: {' '.join(command)}")
+            time.sleep(0.2)
+        yield port
+    finally:
+        process.terminate()
+        process.wait(timeout=30)
+
+
+def check_llama_server(binary: Path, gguf: Path) -> None:
+    if not binary.is_file():
+        raise ValueError(f"--llama-server: no such file: {binary}")
+    if gguf.suffix != ".gguf":
+        raise ValueError(f"--llama-server serves GGUF files; the model is {gguf}")
+
+
+def healthy(port: int) -> bool:
+    try:
+        connection = http.client.HTTPConnection("127.0.0.1", port, timeout=2)
+        connection.request("GET", "/health")
+        return connection.getresponse().status == 200
+    except OSError:
+        return False
+
+
+def one_request(port: int, prompt: tuple[int, ...], output_len: int) -> RequestTiming:
+    body = {
+        "prompt": list(prompt),
+        "n_predict": output_len,
+        "ignore_eos": True,
+        "temperature": 0,
+        "top_k": 1,
+        "cache_prompt": False,
+        "stream": True,
+        "return_tokens": True,
+    }
+    start = time.perf_counter()
+    times: list[float] = []
+    try:
+        connection = http.client.HTTPConnection("127.0.0.1", port, timeout=600)
+        connection.request(
+            "POST", "/completion", json.dumps(body), {"Content-Type": "application/json"}
+        )
+        response = connection.getresponse()
+        if response.status != 200:
+            raise RuntimeError(f"HTTP {response.status}: {response.read()[:200]!r}")
+        for line in response:
+            if line.startswith(b"data: "):
+                now = time.perf_counter() - start
+                times.extend([now] * len(json.loads(line[6:]).get("tokens", [])))
+        connection.close()
+    except Exception as exc:  # a failed request is counted, not fatal to the run
+        return RequestTiming(
+            ok=False, num_prompt_tokens=len(prompt), token_times=(), error=repr(exc)
+        )
+    return RequestTiming(ok=True, num_prompt_tokens=len(prompt), token_times=tuple(times))
+
+
+def drive_llama_server(
+    port: int, workload: Workload, concurrency: int
+) -> tuple[list[RequestTiming], float]:
+    """All requests at once, at most `concurrency` in flight; the timings and the wall time."""
+    start = time.perf_counter()
+    with ThreadPoolExecutor(max_workers=concurrency) as pool:
+        timings = list(
+            pool.map(lambda p: one_request(port, p, workload.output_len), workload.prompts)
+        )
+    return timings, time.perf_counter() - start
