@@ -83,6 +83,7 @@ class Engine:
             loaded = await trio.to_thread.run_sync(self.load)
             runner = await trio.to_thread.run_sync(self.make_runner, loaded, self.config.cache)
             self.open(loaded, runner)
+            del loaded  # the transformers model: the runner keeps what it computes with
             task_status.started()
             async with trio.open_nursery() as nursery:
                 nursery.start_soon(self.admission_task)

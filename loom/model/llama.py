@@ -38,6 +38,10 @@ class LlamaLayer:
     down: LinearLayer
 
 
+def clone(tensor: torch.Tensor | None) -> torch.Tensor | None:
+    return None if tensor is None else tensor.clone()
+
+
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     """transformers' LlamaRMSNorm: normalise in float32, scale in the input dtype (fp32: the
     same bits as its five separate ops, in one)."""
@@ -66,8 +70,11 @@ class LlamaModel:
             raise ValueError("Llama models with mlp_bias are not supported")
         self.rotary = hf_model.model.rotary_emb
         weights: dict[str, torch.Tensor] = dict(hf_model.state_dict())
-        self.embed = weights["model.embed_tokens.weight"]
-        self.final_norm = weights["model.norm.weight"]
+        # Copies of what is kept as loaded: transformers' tensors may be views of the memory-mapped
+        # checkpoint, and keeping one keeps the whole file resident (measured: 513 MB of
+        # SmolLM2's fp32 file, beside the packed weights).
+        self.embed = weights["model.embed_tokens.weight"].clone()
+        self.final_norm = weights["model.norm.weight"].clone()
         self.decode_in_place = can_decode_in_place(
             self.embed.device, self.embed.dtype, self.head_dim
         )
@@ -104,14 +111,16 @@ class LlamaModel:
             weights[f"{attn}{p}_proj.bias"] for p in "qkv" if f"{attn}{p}_proj.bias" in weights
         ]
         return LlamaLayer(
-            input_norm=weights[prefix + "input_layernorm.weight"],
+            input_norm=weights[prefix + "input_layernorm.weight"].clone(),
             qkv=linear(
                 "qkv",
                 torch.cat([weights[f"{attn}{p}_proj.weight"] for p in "qkv"]),
                 torch.cat(qkv_biases) if qkv_biases else None,
             ),
-            o=linear("o", weights[attn + "o_proj.weight"], weights.get(attn + "o_proj.bias")),
-            post_norm=weights[prefix + "post_attention_layernorm.weight"],
+            o=linear(
+                "o", weights[attn + "o_proj.weight"], clone(weights.get(attn + "o_proj.bias"))
+            ),
+            post_norm=weights[prefix + "post_attention_layernorm.weight"].clone(),
             gate_up=linear(
                 "gate_up",
                 torch.cat([weights[mlp + "gate_proj.weight"], weights[mlp + "up_proj.weight"]]),
