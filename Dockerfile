@@ -27,7 +27,7 @@ RUN mkdir loom && touch loom/__init__.py \
 COPY loom ./loom
 RUN pip install --no-cache-dir --no-deps . \
  && python -m loom.model.loader \
- && python -c "from loom.model.kernels import load; load()"
+ && python -c "from loom.model import kernels; kernels.unavailable() or kernels.load()"
 # The converted default model and the built kernels are baked into the cache, so the first start
 # takes seconds.
 

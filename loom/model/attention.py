@@ -24,12 +24,14 @@ key past a query's position is masked out. Query padding repeats the sequence's 
 is dropped.
 
 Decode groups on CPU in float32 skip the gather: Loom's kernel (loom/model/kernels/blocks.cpp)
-reads each key and value in place through the block table, one task per sequence and KV head.
-Elsewhere (GPU, other dtypes, no compiler) every group takes the gather and SDPA.
+reads each key and value in place through the block table, one task per sequence and KV head
+(per query head when there are few sequences). Elsewhere (GPU, other dtypes, head sizes other
+than 16, 32, 64 or 128, no compiler) every group takes the gather and SDPA.
 """
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Sequence
 
 import attrs
@@ -37,6 +39,8 @@ import torch
 import torch.nn.functional as F  # noqa: N812
 
 from loom.model import kernels
+
+log = logging.getLogger(__name__)
 
 
 @attrs.frozen(kw_only=True)
@@ -66,7 +70,11 @@ def can_decode_in_place(device: torch.device, dtype: torch.dtype, head_dim: int)
         return False
     if kernels.unavailable() is not None:
         return False
-    kernels.load()
+    try:
+        kernels.load()
+    except Exception as exc:  # a failed build: the exact path runs without the kernels
+        log.warning("Loom's CPU kernels did not build (%s); attention gathers blocks", exc)
+        return False
     return True
 
 

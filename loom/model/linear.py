@@ -17,7 +17,8 @@ and correctness oracle, or a quantised method that changes the arithmetic openly
   come, in Loom's own kernels (loom/model/blocks.py). The default model's file is Q4_1 with a
   Q8_0 embedding, so its weights are held with no loss beyond the file's own. Up to a few rows
   (decode) the blocks are multiplied in place; above (prefill, large batches) the same weights,
-  dequantised, on the exact path. CPU (AVX2) and float32 only.
+  dequantised, on the exact path. A layer whose input size is not a multiple of 32 stays
+  exact. CPU (AVX2) and float32 only.
 """
 
 from __future__ import annotations
@@ -29,7 +30,7 @@ import torch
 import torch.nn.functional as F  # noqa: N812
 
 from loom.model import kernels
-from loom.model.blocks import BlockLinear, pack, unpack
+from loom.model.blocks import BLOCK, BlockLinear, pack, unpack
 
 METHODS = ("none", "int8", "q4")
 
@@ -56,6 +57,8 @@ def make_linear(
         return Linear(weight, bias)
     if method == "int8":
         return Int8Linear(weight, bias)
+    if method in ("q4", "q8") and weight.shape[1] % BLOCK:  # not whole blocks: exact
+        return Linear(weight, bias)
     if method in ("q4", "q8"):
         blocks = pack(weight, bits=int(method[1:]))
         return BlockLinear(blocks, bias, dense=Linear(unpack(blocks), bias))

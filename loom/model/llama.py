@@ -1,9 +1,11 @@
 """A compact Llama-family forward pass (Llama, Mistral, Qwen2, SmolLM) over the paged KV pool.
 
 Weights are taken from a loaded transformers model; q/k/v and gate/up are fused into one matrix
-product each. The arithmetic follows transformers' modules step for step (RMSNorm in float32,
-rotary embedding from the model's own rotary module) so that greedy fp32 decoding gives the very
-tokens of `generate`, with `quantization="none"`; a quantised method (loom/model/linear.py)
+product each. The arithmetic follows transformers' modules (RMSNorm in float32, rotary embedding
+from the model's own rotary module) so that greedy fp32 decoding gives the very tokens of
+`generate`, with `quantization="none"`. Where Loom's CPU kernels run, the residual add and
+RMSNorm, rotary and the K/V write, and SiLU * up are each one fused pass: rotary bit for bit,
+the norm and SiLU within float rounding of torch's; a quantised method (loom/model/linear.py)
 changes the linear layers' arithmetic and nothing else. The forward takes the whole step's
 tokens flat, `[T]`, with no batch axis.
 """
@@ -174,7 +176,7 @@ class LlamaModel:
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """Logits [N, vocab] for hidden states [N, hidden]: the final norm and the LM head."""
-        return self.lm_head(rms_norm(hidden, self.final_norm, self.eps))
+        return self.lm_head(self.add_norm(hidden.contiguous(), None, self.final_norm))
 
     def attention(
         self,

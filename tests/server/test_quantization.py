@@ -7,13 +7,24 @@ import attrs
 import pytest
 import trio
 
+from loom.model import kernels
 from loom.model.loader import LoadedModel
 from loom.v1 import loom_pb2 as pb
 from tests.grpc_client import generate, greedy, in_asyncio, token_ids, wait_all_blocks_free
 from tests.server_harness import serving
 
+METHODS = [
+    "int8",
+    pytest.param(
+        "q4",
+        marks=pytest.mark.skipif(
+            kernels.unavailable() is not None, reason="Loom's CPU kernels cannot run here"
+        ),
+    ),
+]
 
-@pytest.mark.parametrize("method", ["int8", "q4"])
+
+@pytest.mark.parametrize("method", METHODS)
 async def test_quantization_serves_streams_to_their_length(
     tiny_chat: LoadedModel, method: str
 ) -> None:
@@ -33,7 +44,7 @@ async def test_quantization_serves_streams_to_their_length(
 
 
 @pytest.mark.smollm2
-@pytest.mark.parametrize("method", ["int8", "q4"])
+@pytest.mark.parametrize("method", METHODS)
 async def test_quantization_smollm2_still_knows_the_capital_of_france(
     smollm2: LoadedModel, method: str
 ) -> None:

@@ -1,10 +1,11 @@
 """Loom's C++ kernels (blocks.cpp), built at first use on the machine that runs them.
 
-torch's extension builder compiles them with g++ and ninja into torch's extension cache
-(`TORCH_EXTENSIONS_DIR`, else ~/.cache/torch_extensions), keyed by the source: the first use on a
-machine takes about a minute, later ones load the library. They need AVX2, which every CPU this
-project runs on has. Building here rather than shipping a binary keeps one source for every CPU
-and leaves no compiled artefact in the repository.
+torch's extension builder compiles them with the C++ compiler (`$CXX`, else `c++`: g++, for
+`-fopenmp` to share torch's OpenMP runtime) and ninja into torch's extension cache
+(`TORCH_EXTENSIONS_DIR`, else ~/.cache/torch_extensions), keyed by the source: the first use on
+a machine takes about 15 s on 2 cores, later ones load the library. They need AVX2, which every
+CPU this project runs on has. Building here rather than shipping a binary keeps one source for
+every CPU and leaves no compiled artefact in the repository.
 """
 
 from __future__ import annotations
@@ -29,7 +30,8 @@ def unavailable() -> str | None:
     scripts = Path(sys.executable).parent  # pip's ninja, in an environment not on PATH
     if shutil.which("ninja") is None and (scripts / "ninja").exists():
         os.environ["PATH"] = f"{scripts}{os.pathsep}{os.environ.get('PATH', '')}"
-    missing = [tool for tool in ("g++", "ninja") if shutil.which(tool) is None]
+    compiler = os.environ.get("CXX", "c++")  # what torch's builder runs
+    missing = [tool for tool in (compiler, "ninja") if shutil.which(tool) is None]
     if missing:
         return f"building them needs {' and '.join(missing)} on PATH"
     return None

@@ -148,9 +148,17 @@ at::Tensor block_linear(const at::Tensor& x_in, const at::Tensor& wq, const at::
                         const c10::optional<at::Tensor>& wm, const c10::optional<at::Tensor>& bias) {
   constexpr bool kQ4 = sizeof(T) == 1;
   TORCH_CHECK(x_in.scalar_type() == at::kFloat, "activations must be float32");
+  TORCH_CHECK(x_in.device().is_cpu() && wq.device().is_cpu(), "block products run on the CPU");
   const at::Tensor x = x_in.reshape({-1, x_in.size(-1)}).contiguous();
   const int64_t rows = x.size(0), k = x.size(1), n = wd.size(0);
-  TORCH_CHECK(k % kBlock == 0 && wd.size(1) == k / kBlock, "input size ", k, " does not match the weight");
+  TORCH_CHECK(k % kBlock == 0 && wd.dim() == 2 && wd.size(1) == k / kBlock,
+              "input size ", k, " does not match the weight");
+  TORCH_CHECK(wq.is_contiguous() && wd.is_contiguous() && wd.scalar_type() == at::kFloat &&
+                  wq.element_size() == 1 && wq.numel() == n * (kQ4 ? k / 2 : k),
+              "the weight's blocks do not have the expected layout");
+  TORCH_CHECK(!kQ4 || (wm->is_contiguous() && wm->sizes() == wd.sizes() &&
+                       wm->scalar_type() == at::kFloat), "the minimums do not match the scales");
+  TORCH_CHECK(!bias.has_value() || bias->numel() == n, "the bias does not match the outputs");
   at::Tensor q = at::empty({rows, k}, x.options().dtype(kQ4 ? at::kChar : at::kShort));
   at::Tensor s = at::empty({rows, k / kBlock}, x.options());
   at::Tensor sx = at::empty({rows, k / kBlock}, x.options());
@@ -283,6 +291,13 @@ at::Tensor paged_decode_attention(const at::Tensor& query, const at::Tensor& k_c
   const int64_t block_size = k_cache.size(1), kv_heads = k_cache.size(2);
   const int64_t group = heads / kv_heads, max_blocks = tables.size(1);
   TORCH_CHECK(heads % kv_heads == 0 && k_cache.size(3) == dim, "query and pool do not match");
+  TORCH_CHECK(q.device().is_cpu() && k_cache.device().is_cpu() && v_cache.sizes() == k_cache.sizes(),
+              "the pool's K and V must match, on the CPU");
+  TORCH_CHECK(tables.size(0) == seqs && lens.numel() == seqs, "a block table and length per sequence");
+  const int64_t num_blocks = k_cache.size(0);
+  for (int64_t i = 0; i < tables.numel(); ++i)
+    TORCH_CHECK(tables.data_ptr<int64_t>()[i] >= 0 && tables.data_ptr<int64_t>()[i] < num_blocks,
+                "block table entry out of range");
   auto* kernel = dim == 16 ? &attend<2> : dim == 32 ? &attend<4> : dim == 64 ? &attend<8>
                : dim == 128 ? &attend<16> : nullptr;
   TORCH_CHECK(kernel != nullptr, "head_dim must be 16, 32, 64 or 128, not ", dim);
@@ -318,8 +333,11 @@ at::Tensor add_rms_norm(at::Tensor x, const c10::optional<at::Tensor>& delta,
               "add_rms_norm takes contiguous float32 [T, H]");
   const int64_t rows = x.size(0), h = x.size(1);
   TORCH_CHECK(h % 8 == 0 && weight.numel() == h, "hidden size must be a multiple of 8");
+  TORCH_CHECK(x.device().is_cpu(), "add_rms_norm runs on the CPU");
   at::Tensor d;
   if (delta.has_value()) d = delta->contiguous();
+  TORCH_CHECK(!delta.has_value() || (d.sizes() == x.sizes() && d.scalar_type() == at::kFloat),
+              "delta must match x");
   const float* dp = delta.has_value() ? d.data_ptr<float>() : nullptr;
   const at::Tensor w = weight.contiguous();
   const float* wp = w.data_ptr<float>();
@@ -363,6 +381,14 @@ at::Tensor rotary_write_kv(const at::Tensor& qkv_in, const at::Tensor& cos_in,
   const int64_t tokens = qkv.size(0), kv_heads = k_cache.size(2), dim = k_cache.size(3);
   const int64_t half = dim / 2, width = (num_heads + 2 * kv_heads) * dim;
   TORCH_CHECK(qkv.size(1) == width && half % 8 == 0, "qkv does not match the heads");
+  TORCH_CHECK(qkv.device().is_cpu() && v_cache.sizes() == k_cache.sizes(),
+              "the pool's K and V must match, on the CPU");
+  TORCH_CHECK(slots.numel() == tokens && cos.numel() == tokens * dim && sin.numel() == tokens * dim,
+              "a slot, cos and sin per token");
+  const int64_t num_slots = k_cache.numel() / (kv_heads * dim);
+  for (int64_t t = 0; t < tokens; ++t)
+    TORCH_CHECK(slots.data_ptr<int64_t>()[t] >= 0 && slots.data_ptr<int64_t>()[t] < num_slots,
+                "slot out of range");
   at::Tensor q = at::empty({tokens, num_heads, dim}, qkv.options());
   const float* in = qkv.data_ptr<float>();
   const float* cp = cos.data_ptr<float>();
@@ -394,7 +420,7 @@ at::Tensor rotary_write_kv(const at::Tensor& qkv_in, const at::Tensor& cos_in,
 }
 
 // The MLP's activation: gate_up [T, 2I] (gate, then up) -> SiLU(gate) * up [T, I], with
-// SiLU(g) = g / (1 + exp(-g)) as torch computes it.
+// SiLU(g) = g / (1 + exp(-g)), torch's formula, with exp8 for exp (so within rounding of torch).
 at::Tensor silu_mul(const at::Tensor& gate_up_in) {
   const at::Tensor gate_up = gate_up_in.contiguous();
   TORCH_CHECK(gate_up.scalar_type() == at::kFloat && gate_up.dim() == 2, "silu_mul takes float32 [T, 2I]");

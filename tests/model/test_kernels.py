@@ -1,0 +1,106 @@
+"""Loom's CPU kernels against the torch operations they replace: decode attention read in place
+(every head size, grouped queries, a last block part-filled, padding block 0, both ways of
+splitting the work), the fused residual add + RMSNorm, rotary + the K/V write, SiLU * up."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F  # noqa: N812
+
+from loom.model import kernels
+from loom.model.llama import rms_norm
+
+pytestmark = pytest.mark.skipif(
+    kernels.unavailable() is not None, reason=f"Loom's CPU kernels: {kernels.unavailable()}"
+)
+
+
+@pytest.fixture(scope="module", autouse=True)
+def built() -> None:
+    kernels.load()
+
+
+def sdpa_decode(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    tables: torch.Tensor,
+    lens: torch.Tensor,
+) -> torch.Tensor:
+    """The reference: each sequence's keys gathered through its table, SDPA per KV head."""
+    num_kv_heads, dim = k_cache.shape[2], k_cache.shape[3]
+    out = []
+    for s in range(q.shape[0]):
+        keys = k_cache[tables[s]].reshape(-1, num_kv_heads, dim)[: lens[s]].transpose(0, 1)
+        values = v_cache[tables[s]].reshape(-1, num_kv_heads, dim)[: lens[s]].transpose(0, 1)
+        queries = q[s].view(num_kv_heads, -1, dim)
+        o = F.scaled_dot_product_attention(queries, keys, values, scale=dim**-0.5)
+        out.append(o.reshape(-1, dim))
+    return torch.stack(out)
+
+
+@pytest.mark.parametrize("head_dim", [16, 32, 64, 128])
+@pytest.mark.parametrize("num_seqs", [1, 3, 24])  # 24 x 2 KV heads: a task per KV head
+def test_kernels_decode_attention_reads_the_pool_as_sdpa_does(head_dim: int, num_seqs: int) -> None:
+    torch.manual_seed(head_dim + num_seqs)
+    num_blocks, block_size, num_kv_heads, group = 40, 16, 2, 3
+    k_cache = torch.randn(num_blocks, block_size, num_kv_heads, head_dim)
+    v_cache = torch.randn_like(k_cache)
+    lens = torch.randint(1, 4 * block_size, (num_seqs,))
+    lens[0] = 3 * block_size + 5  # the last block part-filled
+    tables = torch.zeros(num_seqs, 4, dtype=torch.long)  # padding: block 0
+    for s in range(num_seqs):
+        used = -(-int(lens[s]) // block_size)
+        tables[s, :used] = torch.randperm(num_blocks - 1)[:used] + 1
+    q = torch.randn(num_seqs, num_kv_heads * group, head_dim)
+    out = torch.ops.loom.paged_decode_attention(q, k_cache, v_cache, tables, lens, head_dim**-0.5)
+    assert torch.allclose(out, sdpa_decode(q, k_cache, v_cache, tables, lens), atol=1e-5)
+
+
+def test_kernels_decode_attention_refuses_a_table_entry_out_of_range() -> None:
+    k_cache = torch.randn(4, 16, 1, 16)
+    tables = torch.tensor([[5]])
+    with pytest.raises(RuntimeError, match="block table entry out of range"):
+        torch.ops.loom.paged_decode_attention(
+            torch.randn(1, 1, 16), k_cache, k_cache, tables, torch.tensor([3]), 0.25
+        )
+
+
+def test_kernels_add_rms_norm_adds_in_place_and_normalises() -> None:
+    torch.manual_seed(0)
+    x, delta, weight = torch.randn(5, 64), torch.randn(5, 64), torch.rand(64)
+    expected_sum = x + delta
+    out = torch.ops.loom.add_rms_norm(x, delta, weight, 1e-5)
+    assert torch.equal(x, expected_sum)  # the residual stream, updated in place
+    assert torch.allclose(out, rms_norm(expected_sum, weight, 1e-5), rtol=1e-5, atol=1e-6)
+    alone = torch.ops.loom.add_rms_norm(x, None, weight, 1e-5)
+    assert torch.equal(x, expected_sum)
+    assert torch.allclose(alone, rms_norm(x, weight, 1e-5), rtol=1e-5, atol=1e-6)
+
+
+def test_kernels_rotary_write_kv_is_the_torch_arithmetic_bit_for_bit() -> None:
+    torch.manual_seed(0)
+    tokens, heads, kv_heads, dim = 5, 4, 2, 32
+    qkv = torch.randn(tokens, (heads + 2 * kv_heads) * dim)
+    cos, sin = torch.randn(tokens, 1, dim), torch.randn(tokens, 1, dim)
+    k_cache, v_cache = torch.zeros(3, 4, kv_heads, dim), torch.zeros(3, 4, kv_heads, dim)
+    slots = torch.tensor([9, 0, 4, 11, 5])
+    q = torch.ops.loom.rotary_write_kv(qkv, cos, sin, slots, k_cache, v_cache, heads)
+    qk = qkv[:, : (heads + kv_heads) * dim].view(tokens, -1, dim)
+    qk = qk * cos + qk.roll(dim // 2, dims=-1) * sin
+    assert torch.equal(q, qk[:, :heads])
+    assert torch.equal(k_cache.view(-1, kv_heads, dim)[slots], qk[:, heads:])
+    v = qkv[:, (heads + kv_heads) * dim :].view(tokens, kv_heads, dim)
+    assert torch.equal(v_cache.view(-1, kv_heads, dim)[slots], v)
+    with pytest.raises(RuntimeError, match="slot out of range"):
+        torch.ops.loom.rotary_write_kv(qkv, cos, sin, slots + 3, k_cache, v_cache, heads)
+
+
+def test_kernels_silu_mul_is_silu_times_up_to_rounding() -> None:
+    torch.manual_seed(0)
+    gate_up = torch.randn(7, 2 * 96) * 6
+    gate_up[0, :8] = torch.tensor([-200.0, -90, -50, -1e-8, 0, 1e-8, 90, 200])
+    gate, up = gate_up.chunk(2, dim=-1)
+    out = torch.ops.loom.silu_mul(gate_up)
+    assert torch.allclose(out, F.silu(gate) * up, rtol=1e-6, atol=1e-6)
