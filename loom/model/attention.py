@@ -23,7 +23,7 @@ chunk does not pad every decode to its length. Padding blocks are block 0, the n
 key past a query's position is masked out. Query padding repeats the sequence's last token and
 is dropped.
 
-Decode groups on CPU in float32 skip the gather: Loom's kernel (loom/model/kernels/blocks.cpp)
+Decode groups on CPU in float32 skip the gather: Loom's kernel (loom/model/kernels/step.cpp)
 reads each key and value in place through the block table, one task per sequence and KV head
 (per query head when there are few sequences). Elsewhere (GPU, other dtypes, head sizes other
 than 16, 32, 64 or 128, no compiler) every group takes the gather and SDPA.

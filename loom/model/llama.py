@@ -189,21 +189,34 @@ class LlamaModel:
         v_cache: torch.Tensor,
     ) -> torch.Tensor:
         num_tokens = x.shape[0]
-        q_size, kv_size = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
         qkv = layer.qkv(x)
         if self.fused:  # rotary and the K/V write in one pass, bit for bit the same
             q = torch.ops.loom.rotary_write_kv(
                 qkv, cos, sin, metadata.slot_mapping, k_cache, v_cache, self.num_heads
             )
-            out = paged_attention(q, k_cache, v_cache, metadata, self.scale)
-            return layer.o(out.reshape(num_tokens, q_size))
+        else:
+            q = self.rotary_write_kv(qkv, cos, sin, metadata, k_cache, v_cache)
+        out = paged_attention(q, k_cache, v_cache, metadata, self.scale)
+        return layer.o(out.reshape(num_tokens, self.num_heads * self.head_dim))
+
+    def rotary_write_kv(
+        self,
+        qkv: torch.Tensor,
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+        metadata: AttentionMetadata,
+        k_cache: torch.Tensor,
+        v_cache: torch.Tensor,
+    ) -> torch.Tensor:
+        """Rotary on q and k, k and v written to the pool; returns q [T, H_q, D]."""
+        num_tokens = qkv.shape[0]
+        q_size, kv_size = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
         qk = qkv[:, : q_size + kv_size].view(num_tokens, -1, self.head_dim)
         qk = qk * cos + qk.roll(self.head_dim // 2, dims=-1) * sin  # rotary, q and k at once
         q, k = qk[:, : self.num_heads], qk[:, self.num_heads :]
         v = qkv[:, q_size + kv_size :].view(num_tokens, self.num_kv_heads, self.head_dim)
         write_kv(k_cache, v_cache, k, v, metadata.slot_mapping)
-        out = paged_attention(q, k_cache, v_cache, metadata, self.scale)
-        return layer.o(out.reshape(num_tokens, q_size))
+        return q
 
     def mlp(self, layer: LlamaLayer, x: torch.Tensor) -> torch.Tensor:
         gate_up = layer.gate_up(x)

@@ -1,4 +1,5 @@
-"""Loom's C++ kernels (blocks.cpp), built at first use on the machine that runs them.
+"""Loom's C++ kernels (blocks.cpp: the block products; step.cpp: decode attention and the fused
+operations; vec.h), built at first use on the machine that runs them.
 
 torch's extension builder compiles them with the C++ compiler (`$CXX`, else `c++`: g++, for
 `-fopenmp` to share torch's OpenMP runtime) and ninja into torch's extension cache
@@ -18,7 +19,7 @@ from pathlib import Path
 
 import torch
 
-SOURCES = [Path(__file__).with_name("blocks.cpp")]
+SOURCES = [Path(__file__).with_name(name) for name in ("blocks.cpp", "step.cpp")]
 FLAGS = ["-O3", "-mavx2", "-mfma", "-mf16c", "-fopenmp", "-ffp-contract=off"]
 
 

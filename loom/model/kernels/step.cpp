@@ -1,0 +1,269 @@
+// The decode step's other kernels, for x86 CPUs with AVX2, float32: decode attention that reads
+// the paged KV pool in place, and the small operations fused (residual add + RMSNorm, rotary +
+// the K/V write, SiLU * up). Built at run time with blocks.cpp by loom/model/kernels/__init__.py.
+
+#include <ATen/ATen.h>
+#include <ATen/Parallel.h>
+#include <immintrin.h>
+#include <torch/library.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <vector>
+
+#include "vec.h"
+
+namespace {
+
+using loom::hsum;
+
+// exp on 8 floats: n = round(x / ln 2), r = x - n ln 2, Cephes' polynomial for exp(r) on
+// |r| <= ln 2 / 2, times 2^n. x is clamped to [-87.3, 88.3]: below, exp gives 2^-126 (softmax
+// zeroes what it must; SiLU divides by it), above, about 2^127.
+inline __m256 exp8(__m256 x) {
+  x = _mm256_min_ps(_mm256_max_ps(x, _mm256_set1_ps(-87.3f)), _mm256_set1_ps(88.3f));
+  const __m256 n = _mm256_round_ps(_mm256_mul_ps(x, _mm256_set1_ps(1.44269504088896341f)),
+                                   _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  __m256 r = _mm256_fnmadd_ps(n, _mm256_set1_ps(0.693359375f), x);
+  r = _mm256_fnmadd_ps(n, _mm256_set1_ps(-2.12194440e-4f), r);
+  __m256 p = _mm256_set1_ps(1.9875691500e-4f);
+  for (const float c : {1.3981999507e-3f, 8.3334519073e-3f, 4.1665795894e-2f, 1.6666665459e-1f,
+                        5.0000001201e-1f})
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(c));
+  p = _mm256_add_ps(_mm256_fmadd_ps(p, _mm256_mul_ps(r, r), r), _mm256_set1_ps(1.0f));
+  const __m256i e = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
+  return _mm256_mul_ps(p, _mm256_castsi256_ps(e));
+}
+
+// Decode attention for one sequence and one KV head, the G query heads that share it: scores,
+// softmax, the weighted sum of values. Keys and values are read in place, a block at a time
+// through the block table. V = head_dim / 8 is a template argument so that a row's accumulators
+// stay in registers.
+template <int V>
+void attend(const float* q, const float* k_pool, const float* v_pool, const int64_t* table,
+            int64_t len, int64_t block_size, int64_t row, int64_t group, float scale, float* out,
+            std::vector<float>& scores) {
+  constexpr int64_t dim = 8 * V;
+  const int64_t stride = (len + 7) / 8 * 8;
+  scores.resize(group * stride);
+  for (int64_t g = 0; g < group; ++g) {
+    const float* qg = q + g * dim;
+    float* sg = scores.data() + g * stride;
+    for (int64_t l0 = 0; l0 < len; l0 += block_size) {
+      const float* k = k_pool + table[l0 / block_size] * block_size * row;
+      const int64_t rows = std::min(block_size, len - l0);
+      for (int64_t r = 0; r < rows; ++r, k += row) {
+        __m256 acc = _mm256_mul_ps(_mm256_loadu_ps(qg), _mm256_loadu_ps(k));
+        for (int i = 1; i < V; ++i)
+          acc = _mm256_fmadd_ps(_mm256_loadu_ps(qg + 8 * i), _mm256_loadu_ps(k + 8 * i), acc);
+        sg[l0 + r] = hsum(acc) * scale;
+      }
+    }
+    float max = sg[0];
+    for (int64_t l = 1; l < len; ++l) max = std::max(max, sg[l]);
+    __m256 total = _mm256_setzero_ps();
+    const __m256 vmax = _mm256_set1_ps(max);
+    const __m256 lanes = _mm256_setr_ps(0, 1, 2, 3, 4, 5, 6, 7);
+    for (int64_t l = 0; l < stride; l += 8) {
+      __m256 e = exp8(_mm256_sub_ps(_mm256_loadu_ps(sg + l), vmax));
+      if (l + 8 > len) {  // zero the padding past len (its scores are stale)
+        const __m256 index = _mm256_add_ps(_mm256_set1_ps(static_cast<float>(l)), lanes);
+        e = _mm256_and_ps(e, _mm256_cmp_ps(index, _mm256_set1_ps(static_cast<float>(len)), _CMP_LT_OQ));
+      }
+      _mm256_storeu_ps(sg + l, e);
+      total = _mm256_add_ps(total, e);
+    }
+    __m256 acc[V];
+    for (int i = 0; i < V; ++i) acc[i] = _mm256_setzero_ps();
+    for (int64_t l0 = 0; l0 < len; l0 += block_size) {
+      const float* v = v_pool + table[l0 / block_size] * block_size * row;
+      const int64_t rows = std::min(block_size, len - l0);
+      for (int64_t r = 0; r < rows; ++r, v += row) {
+        const __m256 p = _mm256_set1_ps(sg[l0 + r]);
+        for (int i = 0; i < V; ++i) acc[i] = _mm256_fmadd_ps(p, _mm256_loadu_ps(v + 8 * i), acc[i]);
+      }
+    }
+    const __m256 inv = _mm256_set1_ps(1.0f / hsum(total));
+    for (int i = 0; i < V; ++i) _mm256_storeu_ps(out + g * dim + 8 * i, _mm256_mul_ps(acc[i], inv));
+  }
+}
+
+// Decode attention read in place from the paged pool: query [S, H_q, D] (one token per
+// sequence), k/v cache [blocks, block_size, H_kv, D], block_tables [S, B] (int64), seq_lens [S]:
+// sequence s attends its first seq_lens[s] keys, key l at row l % block_size of block
+// block_tables[s][l / block_size]. D is 16, 32, 64 or 128.
+at::Tensor paged_decode_attention(const at::Tensor& query, const at::Tensor& k_cache,
+                                  const at::Tensor& v_cache, const at::Tensor& block_tables,
+                                  const at::Tensor& seq_lens, double scale) {
+  TORCH_CHECK(query.scalar_type() == at::kFloat && k_cache.scalar_type() == at::kFloat,
+              "paged_decode_attention takes float32");
+  TORCH_CHECK(k_cache.is_contiguous() && v_cache.is_contiguous(), "the pool must be contiguous");
+  const at::Tensor q = query.contiguous();
+  const at::Tensor tables = block_tables.to(at::kLong).contiguous();
+  const at::Tensor lens = seq_lens.to(at::kLong).contiguous();
+  const int64_t seqs = q.size(0), heads = q.size(1), dim = q.size(2);
+  const int64_t block_size = k_cache.size(1), kv_heads = k_cache.size(2);
+  const int64_t group = heads / kv_heads, max_blocks = tables.size(1);
+  TORCH_CHECK(heads % kv_heads == 0 && k_cache.size(3) == dim, "query and pool do not match");
+  TORCH_CHECK(q.device().is_cpu() && k_cache.device().is_cpu() && v_cache.sizes() == k_cache.sizes(),
+              "the pool's K and V must match, on the CPU");
+  TORCH_CHECK(tables.size(0) == seqs && lens.numel() == seqs, "a block table and length per sequence");
+  const int64_t num_blocks = k_cache.size(0);
+  for (int64_t i = 0; i < tables.numel(); ++i)
+    TORCH_CHECK(tables.data_ptr<int64_t>()[i] >= 0 && tables.data_ptr<int64_t>()[i] < num_blocks,
+                "block table entry out of range");
+  auto* kernel = dim == 16 ? &attend<2> : dim == 32 ? &attend<4> : dim == 64 ? &attend<8>
+               : dim == 128 ? &attend<16> : nullptr;
+  TORCH_CHECK(kernel != nullptr, "head_dim must be 16, 32, 64 or 128, not ", dim);
+  at::Tensor out = at::empty_like(q);
+  const float* qp = q.data_ptr<float>();
+  const float* kp = k_cache.data_ptr<float>();
+  const float* vp = v_cache.data_ptr<float>();
+  const int64_t* tp = tables.data_ptr<int64_t>();
+  const int64_t* lp = lens.data_ptr<int64_t>();
+  float* op = out.data_ptr<float>();
+  const int64_t row = kv_heads * dim;
+  // Few sequences: a task per query head, so that both cores have work at one sequence; many:
+  // a task per KV head, its query heads sharing each key and value as it is read.
+  const int64_t per_task = seqs * kv_heads < 2 * at::get_num_threads() ? 1 : group;
+  at::parallel_for(0, seqs * heads / per_task, 1, [&](int64_t begin, int64_t end) {
+    std::vector<float> scores;
+    for (int64_t task = begin; task < end; ++task) {
+      const int64_t s = task * per_task / heads, head = task * per_task % heads, len = lp[s];
+      TORCH_CHECK(len >= 1 && len <= max_blocks * block_size, "sequence length out of range");
+      const int64_t first = (s * heads + head) * dim, h = head / group;
+      kernel(qp + first, kp + h * dim, vp + h * dim, tp + s * max_blocks, len, block_size, row,
+             per_task, static_cast<float>(scale), op + first, scores);
+    }
+  });
+  return out;
+}
+
+// RMSNorm of each row of x [T, H] (float32), after adding `delta` to x in place when given (the
+// residual stream): x * rsqrt(mean(x^2) + eps) * weight, as transformers' LlamaRMSNorm.
+at::Tensor add_rms_norm(at::Tensor x, const c10::optional<at::Tensor>& delta,
+                        const at::Tensor& weight, double eps) {
+  TORCH_CHECK(x.scalar_type() == at::kFloat && x.is_contiguous() && x.dim() == 2,
+              "add_rms_norm takes contiguous float32 [T, H]");
+  const int64_t rows = x.size(0), h = x.size(1);
+  TORCH_CHECK(h % 8 == 0 && weight.numel() == h, "hidden size must be a multiple of 8");
+  TORCH_CHECK(x.device().is_cpu(), "add_rms_norm runs on the CPU");
+  at::Tensor d;
+  if (delta.has_value()) d = delta->contiguous();
+  TORCH_CHECK(!delta.has_value() || (d.sizes() == x.sizes() && d.scalar_type() == at::kFloat),
+              "delta must match x");
+  const float* dp = delta.has_value() ? d.data_ptr<float>() : nullptr;
+  const at::Tensor w = weight.contiguous();
+  const float* wp = w.data_ptr<float>();
+  at::Tensor out = at::empty_like(x);
+  float* xp = x.data_ptr<float>();
+  float* op = out.data_ptr<float>();
+  at::parallel_for(0, rows, 16, [&](int64_t begin, int64_t end) {
+    for (int64_t r = begin; r < end; ++r) {
+      float* xr = xp + r * h;
+      __m256 squares = _mm256_setzero_ps();
+      for (int64_t i = 0; i < h; i += 8) {
+        __m256 v = _mm256_loadu_ps(xr + i);
+        if (dp != nullptr) {
+          v = _mm256_add_ps(v, _mm256_loadu_ps(dp + r * h + i));
+          _mm256_storeu_ps(xr + i, v);
+        }
+        squares = _mm256_add_ps(squares, _mm256_mul_ps(v, v));
+      }
+      const float inv = 1.0f / std::sqrt(hsum(squares) / static_cast<float>(h) + static_cast<float>(eps));
+      const __m256 vinv = _mm256_set1_ps(inv);
+      for (int64_t i = 0; i < h; i += 8)
+        _mm256_storeu_ps(op + r * h + i, _mm256_mul_ps(_mm256_loadu_ps(wp + i),
+                                                       _mm256_mul_ps(_mm256_loadu_ps(xr + i), vinv)));
+    }
+  });
+  return out;
+}
+
+// The attention block's elementwise work between the qkv product and attention, in one pass:
+// rotary embedding of q and k (x * cos + roll(x, D / 2) * sin, where sin's first half is
+// negated: transformers' rotate_half), then k and v written to the pool at their slots.
+// qkv [T, (H_q + 2 H_kv) D]; cos, sin [T, D]; returns q [T, H_q, D].
+at::Tensor rotary_write_kv(const at::Tensor& qkv_in, const at::Tensor& cos_in,
+                           const at::Tensor& sin_in, const at::Tensor& slots_in,
+                           at::Tensor k_cache, at::Tensor v_cache, int64_t num_heads) {
+  const at::Tensor qkv = qkv_in.contiguous(), cos = cos_in.contiguous(), sin = sin_in.contiguous();
+  const at::Tensor slots = slots_in.to(at::kLong).contiguous();
+  TORCH_CHECK(qkv.scalar_type() == at::kFloat && k_cache.scalar_type() == at::kFloat,
+              "rotary_write_kv takes float32");
+  TORCH_CHECK(k_cache.is_contiguous() && v_cache.is_contiguous(), "the pool must be contiguous");
+  const int64_t tokens = qkv.size(0), kv_heads = k_cache.size(2), dim = k_cache.size(3);
+  const int64_t half = dim / 2, width = (num_heads + 2 * kv_heads) * dim;
+  TORCH_CHECK(qkv.size(1) == width && half % 8 == 0, "qkv does not match the heads");
+  TORCH_CHECK(qkv.device().is_cpu() && v_cache.sizes() == k_cache.sizes(),
+              "the pool's K and V must match, on the CPU");
+  TORCH_CHECK(slots.numel() == tokens && cos.numel() == tokens * dim && sin.numel() == tokens * dim,
+              "a slot, cos and sin per token");
+  const int64_t num_slots = k_cache.numel() / (kv_heads * dim);
+  for (int64_t t = 0; t < tokens; ++t)
+    TORCH_CHECK(slots.data_ptr<int64_t>()[t] >= 0 && slots.data_ptr<int64_t>()[t] < num_slots,
+                "slot out of range");
+  at::Tensor q = at::empty({tokens, num_heads, dim}, qkv.options());
+  const float* in = qkv.data_ptr<float>();
+  const float* cp = cos.data_ptr<float>();
+  const float* sp = sin.data_ptr<float>();
+  const int64_t* slot = slots.data_ptr<int64_t>();
+  float* qp = q.data_ptr<float>();
+  float* kp = k_cache.data_ptr<float>();
+  float* vp = v_cache.data_ptr<float>();
+  at::parallel_for(0, tokens, 16, [&](int64_t begin, int64_t end) {
+    for (int64_t t = begin; t < end; ++t) {
+      const float* row = in + t * width;
+      const float* c = cp + t * dim;
+      const float* sn = sp + t * dim;
+      for (int64_t head = 0; head < num_heads + kv_heads; ++head) {
+        const float* x = row + head * dim;
+        float* out = head < num_heads ? qp + (t * num_heads + head) * dim
+                                      : kp + (slot[t] * kv_heads + head - num_heads) * dim;
+        for (int64_t i = 0; i < dim; i += 8) {
+          const int64_t j = i < half ? i + half : i - half;  // roll by half
+          const __m256 a = _mm256_mul_ps(_mm256_loadu_ps(x + i), _mm256_loadu_ps(c + i));
+          const __m256 b = _mm256_mul_ps(_mm256_loadu_ps(x + j), _mm256_loadu_ps(sn + i));
+          _mm256_storeu_ps(out + i, _mm256_add_ps(a, b));
+        }
+      }
+      std::copy(row + (num_heads + kv_heads) * dim, row + width, vp + slot[t] * kv_heads * dim);
+    }
+  });
+  return q;
+}
+
+// The MLP's activation: gate_up [T, 2I] (gate, then up) -> SiLU(gate) * up [T, I], with
+// SiLU(g) = g / (1 + exp(-g)), torch's formula, with exp8 for exp (so within rounding of torch).
+at::Tensor silu_mul(const at::Tensor& gate_up_in) {
+  const at::Tensor gate_up = gate_up_in.contiguous();
+  TORCH_CHECK(gate_up.scalar_type() == at::kFloat && gate_up.dim() == 2, "silu_mul takes float32 [T, 2I]");
+  const int64_t rows = gate_up.size(0), width = gate_up.size(1) / 2;
+  TORCH_CHECK(width % 8 == 0 && gate_up.size(1) == 2 * width, "intermediate size must be a multiple of 8");
+  at::Tensor out = at::empty({rows, width}, gate_up.options());
+  const float* in = gate_up.data_ptr<float>();
+  float* op = out.data_ptr<float>();
+  const __m256 one = _mm256_set1_ps(1.0f), sign = _mm256_set1_ps(-0.0f);
+  at::parallel_for(0, rows * (width / 8), 256, [&](int64_t begin, int64_t end) {
+    for (int64_t i = begin; i < end; ++i) {
+      const int64_t r = i / (width / 8), c = i % (width / 8) * 8;
+      const __m256 g = _mm256_loadu_ps(in + r * 2 * width + c);
+      const __m256 u = _mm256_loadu_ps(in + r * 2 * width + width + c);
+      const __m256 silu = _mm256_div_ps(g, _mm256_add_ps(one, exp8(_mm256_xor_ps(g, sign))));
+      _mm256_storeu_ps(op + r * width + c, _mm256_mul_ps(silu, u));
+    }
+  });
+  return out;
+}
+
+}  // namespace
+
+TORCH_LIBRARY_FRAGMENT(loom, m) {
+  m.def("paged_decode_attention(Tensor query, Tensor k_cache, Tensor v_cache, Tensor block_tables, "
+        "Tensor seq_lens, float scale) -> Tensor", &paged_decode_attention);
+  m.def("silu_mul(Tensor gate_up) -> Tensor", &silu_mul);
+  m.def("add_rms_norm(Tensor(a!) x, Tensor? delta, Tensor weight, float eps) -> Tensor", &add_rms_norm);
+  m.def("rotary_write_kv(Tensor qkv, Tensor cos, Tensor sin, Tensor slots, Tensor(a!) k_cache, "
+        "Tensor(b!) v_cache, int num_heads) -> Tensor", &rotary_write_kv);
+}
