@@ -27,7 +27,35 @@ SMALL_WINDOWS = Configuration(http2_connection_window_size=65535, http2_stream_w
 
 async def in_asyncio(fn: Callable[..., Awaitable[T]], *args: Any, **kwargs: Any) -> T:
     """Run an asyncio client coroutine in a worker thread, from trio."""
-    return await trio.to_thread.run_sync(lambda: asyncio.run(fn(*args, **kwargs)))
+    return await trio.to_thread.run_sync(lambda: run_client(fn, *args, **kwargs))
+
+
+def run_client(fn: Callable[..., Awaitable[T]], *args: Any, **kwargs: Any) -> T:
+    """`asyncio.run(fn(...))`, and no socket outlives the loop.
+
+    A transport closed with unsent data (a client cut off mid-send, say by the server refusing
+    its oversized message) closes its socket only once that data is flushed, on later turns of
+    the loop; `asyncio.run` closes the loop after one turn, and the socket leaks (a
+    ResourceWarning, whenever it is collected)."""
+
+    async def main() -> T:
+        try:
+            return await fn(*args, **kwargs)
+        finally:
+            await transports_flushed()
+
+    return asyncio.run(main())
+
+
+async def transports_flushed() -> None:
+    loop = asyncio.get_running_loop()
+    transports = getattr(loop, "_transports", {})  # the selector loop's, by file descriptor
+    deadline = loop.time() + 5.0
+    while loop.time() < deadline and any(  # noqa: ASYNC110 (no event says "flushed")
+        t.is_closing() and t.get_write_buffer_size() for t in list(transports.values())
+    ):
+        await asyncio.sleep(0.01)
+    await asyncio.sleep(0)  # the flushed transports' sockets close on this turn
 
 
 async def generate(

@@ -37,6 +37,7 @@ from tests.grpc_client import (
     generate,
     greedy,
     in_asyncio,
+    run_client,
     server_stats,
     token_ids,
     wait_all_blocks_free,
@@ -211,7 +212,7 @@ async def test_isolation_a_handler_cancelled_while_submitting_leaves_no_request_
             watch_submissions(server, submitting)
             cancelled = threading.Event()
             client = threading.Thread(
-                target=asyncio.run, args=(send_then_cancel(port, submitting, cancelled),)
+                target=run_client, args=(send_then_cancel, port, submitting, cancelled)
             )
             client.start()
             cancelled.wait(30)  # blocks the engine's trio thread, on purpose
