@@ -444,7 +444,7 @@ async def test_server_frees_blocks_when_a_client_process_is_killed(tiny_chat: Lo
             try:
                 assert client.stdout is not None
                 first = await client.stdout.receive_some()
-                assert first.startswith(b"token\n")  # mid-stream
+                assert first.startswith(b"token")  # mid-stream (the newline may come apart)
 
                 async def healthy_stream() -> None:
                     healthy.extend(token_ids(await in_asyncio(generate, port, greedy([9, 9], 60))))
