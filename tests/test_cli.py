@@ -87,7 +87,7 @@ def test_loom_help_lists_every_serve_setting() -> None:
     help_text = subprocess.run([*LOOM, "--help"], capture_output=True, text=True, check=True).stdout
     configs = (*SERVE_CONFIGS, CacheConfig, SchedulerConfig)
     flags = [flag for config in configs for flag in settings_of(config)]
-    assert len(flags) == 22
+    assert len(flags) == 23
     for flag in flags:
         assert flag in help_text
 
@@ -102,6 +102,9 @@ def test_loom_serve_flags_build_the_configs_and_absent_ones_keep_their_defaults(
     )
     assert settings_from(args, ServerConfig) == ServerConfig(port=0)
     assert settings_from(args, ModelConfig) == ModelConfig(dtype="fp32")
+    assert engine.cache.enable_prefix_caching
+    off = parser().parse_args(["serve", "--no-enable-prefix-caching"])
+    assert not settings_from(off, EngineConfig).cache.enable_prefix_caching
 
 
 @pytest.mark.parametrize(

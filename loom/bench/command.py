@@ -1,9 +1,9 @@
-"""`loom bench`: the command around loom/bench/serving.py and loom/bench/baseline.py."""
+"""`loom bench`: its flags and the servers it drives; loom/bench/measure.py runs each
+concurrency level."""
 
 from __future__ import annotations
 
 import argparse
-import asyncio
 import contextlib
 import json
 import shlex
@@ -14,13 +14,13 @@ from typing import Any
 
 import torch
 
-from loom.bench.baseline import run_baseline
-from loom.bench.llama_cpp import check_llama_server, drive_llama_server, launched_llama_server
-from loom.bench.metrics import Objectives, summarize, table
-from loom.bench.serving import Workload, drive, launched_server, make_workload
+from loom.bench.llama_cpp import check_llama_server, launched_llama_server
+from loom.bench.measure import measure
+from loom.bench.metrics import Objectives
+from loom.bench.serving import launched_server
 from loom.core.setting import at_least
 from loom.model.linear import METHODS
-from loom.model.loader import LoadedModel, default_model_path, load_model
+from loom.model.loader import default_model_path, load_model
 
 
 def add_parser(commands: Any) -> argparse.ArgumentParser:
@@ -55,7 +55,29 @@ def add_parser(commands: Any) -> argparse.ArgumentParser:
         default=None,
         help="requests per concurrency (default: the concurrency)",
     )
-    add("--input-len", type=int, default=128, help="prompt tokens (default: 128)")
+    add(
+        "--workload",
+        default="standard",
+        choices=WORKLOADS,
+        help="standard: distinct prompts; shared-prefix: --prefix-len common tokens before "
+        "each prompt; multi-turn: --concurrency conversations of --turns turns, each resending "
+        "its history (default: standard)",
+    )
+    add("--prefix-len", type=int, default=512, help="shared-prefix: common tokens (default: 512)")
+    add("--turns", type=int, default=6, help="multi-turn: turns per conversation (default: 6)")
+    add(
+        "--compare-prefix-caching",
+        action="store_true",
+        help="also launch a server with --no-enable-prefix-caching and run the same workload on "
+        "it, side by side",
+    )
+    add(
+        "--input-len",
+        type=int,
+        default=128,
+        help="prompt tokens; shared-prefix: the distinct part; multi-turn: new tokens a turn "
+        "(default: 128)",
+    )
     add("--output-len", type=int, default=128, help="generated tokens (default: 128)")
     add(
         "--request-rate",
@@ -79,6 +101,9 @@ def add_parser(commands: Any) -> argparse.ArgumentParser:
     return bench
 
 
+WORKLOADS = ("standard", "shared-prefix", "multi-turn")
+
+
 def counts(flag: str, text: str) -> list[int]:
     """A comma-separated list of whole numbers of at least 1 (`1,8,64`)."""
     try:
@@ -98,19 +123,33 @@ def objectives(text: str) -> Objectives:
     return Objectives(**{f"{k}_ms": float(v) for k, v in limits.items()})
 
 
+def serve_args_of(args: argparse.Namespace) -> list[str]:
+    serve_args = shlex.split(args.serve_args)
+    if args.model:
+        serve_args += ["--model", args.model]
+    if args.quantization:
+        serve_args += ["--quantization", args.quantization]
+    return serve_args
+
+
 @contextlib.contextmanager
 def server_address(args: argparse.Namespace) -> Iterator[tuple[str, int]]:
     if args.address:
         host, _, port = args.address.rpartition(":")
         yield host or "127.0.0.1", int(port)
         return
-    serve_args = shlex.split(args.serve_args)
-    if args.model:
-        serve_args += ["--model", args.model]
-    if args.quantization:
-        serve_args += ["--quantization", args.quantization]
-    with launched_server(serve_args) as port:
+    with launched_server(serve_args_of(args)) as port:
         yield "127.0.0.1", port
+
+
+@contextlib.contextmanager
+def caching_off_server(args: argparse.Namespace) -> Iterator[int | None]:
+    """With --compare-prefix-caching, the port of a second launched server without it."""
+    if not args.compare_prefix_caching:
+        yield None
+        return
+    with launched_server([*serve_args_of(args), "--no-enable-prefix-caching"]) as port:
+        yield port
 
 
 def run(args: argparse.Namespace) -> int:
@@ -121,18 +160,29 @@ def run(args: argparse.Namespace) -> int:
         ("--input-len", args.input_len, 1),
         ("--output-len", args.output_len, 1),
         ("--warmup", args.warmup, 0),
+        ("--prefix-len", args.prefix_len, 1),
+        ("--turns", args.turns, 1),
     ]:
         at_least(minimum)(flag, value)
     if not args.request_rate > 0:
         raise ValueError(f"--request-rate must be above 0, got {args.request_rate}")
+    if args.workload != "standard" and (args.baseline or args.llama_server):
+        raise ValueError("--baseline and --llama-server run the standard workload only")
+    if args.compare_prefix_caching and args.address:
+        raise ValueError("--compare-prefix-caching launches both servers; drop --address")
     if args.llama_server is not None:
         check_llama_server(args.llama_server, gguf_of(args))
     loaded = load_model(args.model, dtype=torch.float32, device=torch.device("cpu"))
     pad = loaded.tokenizer.pad_token_id or loaded.tokenizer.eos_token_id or 0
-    with server_address(args) as (host, port), llama_server(args, concurrencies) as llama:
+    with (
+        server_address(args) as (host, port),
+        caching_off_server(args) as off_port,
+        llama_server(args, concurrencies) as llama,
+    ):
         try:
             results = [
-                measure(args, loaded, pad, goals, (host, port), llama, c) for c in concurrencies
+                measure(args, loaded, pad, goals, (host, port), (off_port, llama), c)
+                for c in concurrencies
             ]
         except ConnectionError as exc:
             print(f"loom bench: no server answers at {host}:{port} ({exc})", file=sys.stderr)
@@ -140,7 +190,9 @@ def run(args: argparse.Namespace) -> int:
     if args.json:
         config = {k: v for k, v in vars(args).items() if k not in ("json", "func")}
         args.json.write_text(json.dumps({"config": config, "runs": results}, indent=2, default=str))
-    failed = sum(r["loom"]["failed"] for r in results)
+    failed = sum(
+        r[side]["failed"] for r in results for side in ("loom", "caching_off") if side in r
+    )
     if failed:
         print(f"{failed} requests failed", file=sys.stderr)
     return 1 if failed else 0
@@ -161,80 +213,3 @@ def llama_server(args: argparse.Namespace, concurrencies: list[int]) -> Iterator
 
 def gguf_of(args: argparse.Namespace) -> Path:
     return Path(args.model) if args.model else default_model_path()
-
-
-def measure(
-    args: argparse.Namespace,
-    loaded: LoadedModel,
-    pad: int,
-    goals: Objectives,
-    address: tuple[str, int],
-    llama_port: int | None,
-    concurrency: int,
-) -> dict[str, Any]:
-    """One concurrency level: warm up, drive the server, then the baselines asked for; print."""
-    host, port = address
-    workload = make_workload(
-        loaded.tokenizer,
-        args.num_prompts or concurrency,
-        args.input_len,
-        args.output_len,
-        args.seed + concurrency,
-    )
-    warm_up(host, port, Workload(prompts=workload.prompts[: args.warmup], output_len=8))
-    timings, duration, server = asyncio.run(
-        drive(
-            host,
-            port,
-            workload,
-            concurrency=concurrency,
-            request_rate=args.request_rate,
-            seed=args.seed,
-        )
-    )
-    result: dict[str, Any] = {
-        "concurrency": concurrency,
-        "loom": summarize(timings, duration, goals) | {"server": server},
-    }
-    result |= baselines(args, loaded, pad, goals, workload, llama_port, concurrency)
-    title = (
-        f"\n== concurrency {concurrency}: {len(workload.prompts)} requests, "
-        f"{args.input_len} prompt + {args.output_len} output tokens; "
-        f"KV blocks used at most {server['max_used_blocks']}/{server['num_total_blocks']}, "
-        f"preemptions {server['num_preemptions']}"
-    )
-    print(table(title, result["loom"], result.get("baseline"), "transformers"), flush=True)
-    if "llama_cpp" in result:
-        print(table("", result["loom"], result["llama_cpp"], "llama.cpp"), flush=True)
-    return result
-
-
-def baselines(
-    args: argparse.Namespace,
-    loaded: LoadedModel,
-    pad: int,
-    goals: Objectives,
-    workload: Workload,
-    llama_port: int | None,
-    concurrency: int,
-) -> dict[str, Any]:
-    """transformers' `generate` (`--baseline`) and llama.cpp's server (`--llama-server`)."""
-    result = {}
-    if args.baseline:
-        base_timings, base_duration = run_baseline(loaded.model, pad, workload, concurrency)
-        result["baseline"] = summarize(base_timings, base_duration, goals)
-    if llama_port is not None:
-        warm = Workload(prompts=workload.prompts[: args.warmup], output_len=8)
-        drive_llama_server(llama_port, warm, 1)  # unmeasured, as Loom's warm-up
-        llama_timings, llama_duration = drive_llama_server(llama_port, workload, concurrency)
-        result["llama_cpp"] = summarize(llama_timings, llama_duration, goals)
-    return result
-
-
-def warm_up(host: str, port: int, workload: Workload) -> None:
-    """Unmeasured requests, one at a time, so that the measured run starts warm."""
-    asyncio.run(
-        drive(
-            host, port, workload, concurrency=1, request_rate=float("inf"), seed=0, progress=False
-        )
-    )

@@ -1,7 +1,11 @@
 """`loom bench`: drive a Loom server with concurrent streaming grpclib clients on a fixed workload.
 
 The standard workload (../shared/DESIGN.md §7): prompts of exactly `input_len` tokens, distinct,
-sent as token ids; exactly `output_len` tokens generated (ignore_eos); greedy. Requests arrive
+sent as token ids; exactly `output_len` tokens generated (ignore_eos); greedy. Two more for
+prefix caching: `shared-prefix` puts one common `prefix_len`-token text (a system prompt) before
+each distinct prompt; `multi-turn` holds `concurrency` conversations of `turns` turns, each turn
+resending the whole history (earlier prompts and replies, as token ids) plus `input_len` new
+tokens. Requests arrive
 all at once or as a Poisson process at `request_rate`, at most `concurrency` in flight, one
 channel per concurrent client. While it runs, GetServerStats is polled for KV usage and
 preemptions. With `--baseline`, the same prompts also go through transformers' `generate` in
@@ -61,6 +65,38 @@ def make_workload(
     return Workload(prompts=tuple(prompts), output_len=output_len)
 
 
+def make_shared_prefix_workload(
+    tokenizer: Any, num_prompts: int, prefix_len: int, input_len: int, output_len: int, seed: int
+) -> Workload:
+    """One common `prefix_len`-token text, then `input_len` distinct tokens, in every prompt."""
+    (prefix,) = make_workload(tokenizer, 1, prefix_len, output_len, seed + 1).prompts
+    distinct = make_workload(tokenizer, num_prompts, input_len, output_len, seed)
+    return attrs.evolve(distinct, prompts=tuple(prefix + p for p in distinct.prompts))
+
+
+@attrs.frozen(kw_only=True)
+class Conversations:
+    """Each conversation's user turns (distinct token ids); the replies come from the server."""
+
+    turns: tuple[tuple[tuple[int, ...], ...], ...]
+    output_len: int
+
+    @property
+    def num_requests(self) -> int:
+        return sum(len(c) for c in self.turns)
+
+
+def make_conversations(
+    tokenizer: Any, num_conversations: int, turns: int, input_len: int, output_len: int, seed: int
+) -> Conversations:
+    messages = make_workload(tokenizer, num_conversations * turns, input_len, output_len, seed)
+    user = messages.prompts
+    return Conversations(
+        turns=tuple(tuple(user[c * turns : (c + 1) * turns]) for c in range(num_conversations)),
+        output_len=output_len,
+    )
+
+
 def request_for(prompt: tuple[int, ...], output_len: int) -> pb.GenerateRequest:
     return pb.GenerateRequest(
         token_ids=pb.TokenIds(ids=prompt),
@@ -68,7 +104,13 @@ def request_for(prompt: tuple[int, ...], output_len: int) -> pb.GenerateRequest:
     )
 
 
-async def one_request(channel: Channel, prompt: tuple[int, ...], output_len: int) -> RequestTiming:
+async def one_request(
+    channel: Channel,
+    prompt: tuple[int, ...],
+    output_len: int,
+    received: list[int] | None = None,
+) -> RequestTiming:
+    """One streamed request; its token ids go into `received`, if given."""
     start = time.perf_counter()
     times: list[float] = []
     try:
@@ -78,6 +120,8 @@ async def one_request(channel: Channel, prompt: tuple[int, ...], output_len: int
                 now = time.perf_counter() - start
                 delta = response.delta if response.HasField("delta") else response.final.delta
                 times.extend([now] * len(delta.token_ids))
+                if received is not None:
+                    received.extend(delta.token_ids)
     except Exception as exc:  # a failed request is counted, not fatal to the run
         return RequestTiming(
             ok=False, num_prompt_tokens=len(prompt), token_times=(), error=repr(exc)
@@ -133,6 +177,39 @@ async def drive(
     return timings, duration, await server.summary()
 
 
+async def drive_conversations(
+    host: str, port: int, conversations: Conversations, *, progress: bool = True
+) -> tuple[list[RequestTiming], float, dict[str, int]]:
+    """Every conversation at once, each on its own channel, its turns one after another."""
+    bar = tqdm(
+        total=conversations.num_requests,
+        disable=not progress,
+        desc=f"{len(conversations.turns)} conversations",
+        file=sys.stderr,
+    )
+    server = ServerWatch(host, port)
+    watcher = asyncio.create_task(server.watch())
+    timings: list[RequestTiming] = []
+
+    async def talk(turns: tuple[tuple[int, ...], ...]) -> None:
+        history: list[int] = []
+        async with Channel(host, port) as channel:
+            for user in turns:
+                history += user
+                reply: list[int] = []
+                timing = await one_request(channel, tuple(history), conversations.output_len, reply)
+                timings.append(timing)
+                history += reply
+                bar.update()
+
+    start = time.perf_counter()
+    await asyncio.gather(*(talk(turns) for turns in conversations.turns))
+    duration = time.perf_counter() - start
+    watcher.cancel()
+    bar.close()
+    return timings, duration, await server.summary()
+
+
 class ServerWatch:
     """Polls GetServerStats during a run: the most KV blocks in use, preemptions in the run."""
 
@@ -155,12 +232,18 @@ class ServerWatch:
             await asyncio.sleep(0.25)
 
     async def summary(self) -> dict[str, int]:
+        """The run's figures: its preemptions and prompt tokens (computed, and found in the
+        prefix cache) from the difference of the stats before and after."""
         last = await self.stats()
-        first_preemptions = self.first.num_preemptions if self.first else last.num_preemptions
+        first = self.first or last
+        queried = last.prefix_cache_queries - first.prefix_cache_queries
+        cached = last.prefix_cache_hits - first.prefix_cache_hits
         return {
             "num_total_blocks": last.num_total_blocks,
             "max_used_blocks": self.max_used_blocks,
-            "num_preemptions": last.num_preemptions - first_preemptions,
+            "num_preemptions": last.num_preemptions - first.num_preemptions,
+            "prompt_tokens_computed": queried - cached,
+            "prompt_tokens_cached": cached,
         }
 
 

@@ -1,19 +1,28 @@
-"""The paged KV cache's bookkeeping: which fixed-size blocks each request owns.
+"""The paged KV cache's bookkeeping: which fixed-size blocks each request owns, and which full
+blocks hold a prefix that later requests may reuse.
 
 Plain Python, no torch, no trio. The KV pool holds `num_blocks` blocks of `block_size` token
 slots each. Block 0 is the null block: block tables are padded with it when they are turned into
 tensors, so it is never handed out (a `-1` pad would silently index the last block in a gather).
 
 A request's block table lists, in order, the blocks that hold its tokens: token `i` lives in slot
-`block_table[i // block_size] * block_size + i % block_size`. Blocks are reference-counted so that
-requests can share full prefix blocks (`share`); a block returns to the free list when its count
-falls to zero. Freeing a request releases each of its references exactly once; freeing it again,
-or freeing an unknown request, does nothing.
+`block_table[i // block_size] * block_size + i % block_size`. Blocks are reference-counted.
+Freeing a request releases each of its references exactly once; freeing it again, or freeing an
+unknown request, does nothing.
+
+Prefix caching (loom/core/prefix_cache.py makes the hashes). A full block whose K/V is written
+can be `cache`d under its content hash; a later request whose prompt starts with the same
+blocks takes them (`allocate(..., cached=...)`) instead of computing them again. A cached block
+that no request holds any more is not free but evictable: it keeps its content until its space
+is needed. Allocation takes blocks that hold nothing first, then evicts cached ones, least
+recently released first; a block some request holds is never evicted. `num_free_blocks` counts
+both kinds: what allocation can hand out.
 """
 
 from __future__ import annotations
 
 from collections import deque
+from collections.abc import Sequence
 
 import attrs
 
@@ -31,12 +40,16 @@ class BlockManager:
 
     num_blocks: int = attrs.field(validator=attrs.validators.ge(2))
     block_size: int = attrs.field(validator=attrs.validators.ge(1))
-    _free: deque[int] = attrs.field(init=False)
+    enable_caching: bool = True
+    _empty: deque[int] = attrs.field(init=False)  # free, holding nothing reusable
+    _evictable: dict[int, None] = attrs.field(init=False, factory=dict)  # free, cached: LRU first
     _ref_counts: list[int] = attrs.field(init=False)
     _tables: dict[str, list[int]] = attrs.field(init=False, factory=dict)
+    _block_of: dict[bytes, int] = attrs.field(init=False, factory=dict)  # content hash -> block
+    _hash_of: dict[int, bytes] = attrs.field(init=False, factory=dict)  # and back
 
     def __attrs_post_init__(self) -> None:
-        self._free = deque(range(1, self.num_blocks))
+        self._empty = deque(range(1, self.num_blocks))
         self._ref_counts = [0] * self.num_blocks
 
     @property
@@ -46,7 +59,13 @@ class BlockManager:
 
     @property
     def num_free_blocks(self) -> int:
-        return len(self._free)
+        """Blocks no request holds: empty, or cached and evictable."""
+        return len(self._empty) + len(self._evictable)
+
+    @property
+    def num_cached_blocks(self) -> int:
+        """Blocks that hold a reusable prefix, held by requests or evictable."""
+        return len(self._block_of)
 
     def has_request(self, request_id: str) -> bool:
         return request_id in self._tables
@@ -58,45 +77,88 @@ class BlockManager:
         """Token slots the request's blocks hold."""
         return len(self._tables.get(request_id, ())) * self.block_size
 
-    def num_blocks_needed(self, request_id: str, num_tokens: int) -> int:
-        """New blocks `allocate(request_id, num_tokens)` would take."""
-        have = len(self._tables.get(request_id, ()))
-        return max(0, num_blocks_for(num_tokens, self.block_size) - have)
+    def ref_count(self, block_id: int) -> int:
+        return self._ref_counts[block_id]
 
-    def allocate(self, request_id: str, num_tokens: int) -> bool:
-        """Grow the request's block table to hold `num_tokens` tokens in all.
+    def is_evictable(self, block_id: int) -> bool:
+        return block_id in self._evictable
 
-        All or nothing: returns False and changes nothing when too few blocks are free.
-        """
-        needed = self.num_blocks_needed(request_id, num_tokens)
-        if needed > self.num_free_blocks:
+    def cached_prefix(self, block_hashes: Sequence[bytes]) -> list[int]:
+        """The cached blocks that hold the longest run of these hashes, from the first."""
+        found: list[int] = []
+        if self.enable_caching:
+            for block_hash in block_hashes:
+                block_id = self._block_of.get(block_hash)
+                if block_id is None:
+                    break
+                found.append(block_id)
+        return found
+
+    def num_blocks_needed(
+        self, request_id: str, num_tokens: int, cached: Sequence[int] = ()
+    ) -> int:
+        """Free blocks `allocate(request_id, num_tokens, cached)` would take: the new ones, and
+        the cached ones that no request holds (they stop being free)."""
+        have = len(self._tables.get(request_id, ())) + len(cached)
+        new = max(0, num_blocks_for(num_tokens, self.block_size) - have)
+        return new + sum(self._ref_counts[b] == 0 for b in cached)
+
+    def allocate(self, request_id: str, num_tokens: int, cached: Sequence[int] = ()) -> bool:
+        """Grow the request's block table to hold `num_tokens` tokens in all: first the `cached`
+        blocks (a new request's prefix, from `cached_prefix`), then new ones.
+
+        All or nothing: returns False and changes nothing when too few blocks are free."""
+        if cached and self._tables.get(request_id):
+            raise ValueError(f"request {request_id} has blocks already; a prefix comes first")
+        for block_id in cached:
+            if block_id not in self._hash_of:
+                raise ValueError(f"block {block_id} holds no cached prefix; cannot share it")
+        if self.num_blocks_needed(request_id, num_tokens, cached) > self.num_free_blocks:
             return False
         table = self._tables.setdefault(request_id, [])
-        for _ in range(needed):
-            block_id = self._free.popleft()
+        for block_id in cached:
+            if self._ref_counts[block_id] == 0:
+                del self._evictable[block_id]
+            self._ref_counts[block_id] += 1
+            table.append(block_id)
+        for _ in range(num_blocks_for(num_tokens, self.block_size) - len(table)):
+            block_id = self.take_free()
             self._ref_counts[block_id] = 1
             table.append(block_id)
         return True
 
-    def share(self, request_id: str, block_ids: tuple[int, ...]) -> None:
-        """Append blocks that other requests already hold (full prefix blocks) to this one's."""
-        for block_id in block_ids:
-            if block_id == NULL_BLOCK or self._ref_counts[block_id] == 0:
-                raise ValueError(f"block {block_id} is not held by any request; cannot share it")
-        table = self._tables.setdefault(request_id, [])
-        for block_id in block_ids:
-            self._ref_counts[block_id] += 1
-            table.append(block_id)
+    def take_free(self) -> int:
+        if self._empty:
+            return self._empty.popleft()
+        block_id = next(iter(self._evictable))  # the least recently released
+        del self._evictable[block_id]
+        del self._block_of[self._hash_of.pop(block_id)]
+        return block_id
 
-    def ref_count(self, block_id: int) -> int:
-        return self._ref_counts[block_id]
+    def cache(self, request_id: str, first: int, block_hashes: Sequence[bytes]) -> None:
+        """The request's blocks `first, first + 1, ...` are full and written, with these content
+        hashes: later requests may take them. A hash already cached in another block keeps that
+        block (this one stays private and is freed as usual)."""
+        if not self.enable_caching:
+            return
+        table = self._tables[request_id]
+        for block_id, block_hash in zip(table[first:], block_hashes, strict=False):
+            if block_hash not in self._block_of and block_id not in self._hash_of:
+                self._block_of[block_hash] = block_id
+                self._hash_of[block_id] = block_hash
 
     def free(self, request_id: str) -> None:
-        """Release the request's blocks. Idempotent; unknown ids are ignored."""
+        """Release the request's blocks. Idempotent; unknown ids are ignored.
+
+        Released last block first: of one request's blocks, the deepest are evicted first (the
+        first ones are the likeliest to be shared: a system prompt)."""
         table = self._tables.pop(request_id, None)
         if table is None:
             return
-        for block_id in table:
+        for block_id in reversed(table):
             self._ref_counts[block_id] -= 1
             if self._ref_counts[block_id] == 0:
-                self._free.append(block_id)
+                if block_id in self._hash_of:
+                    self._evictable[block_id] = None
+                else:
+                    self._empty.append(block_id)

@@ -31,6 +31,9 @@ class CacheConfig:
         "KV pool as a fraction of the device's free memory",
         check=in_range(0, 1, low_open=True),
     )
+    enable_prefix_caching: bool = setting(
+        True, "reuse the KV blocks of prompt prefixes computed before (full blocks, LRU-evicted)"
+    )
 
     def num_blocks_for(self, bytes_per_block: int, free_memory: Callable[[], int]) -> int:
         """The pool size in blocks; `free_memory()` (bytes) is asked only when the fraction

@@ -66,6 +66,7 @@ class OutputProcessor:
             usage=Usage(
                 prompt_tokens=request.num_prompt_tokens,
                 completion_tokens=len(request.output_token_ids),
+                cached_tokens=request.num_cached_tokens,
             ),
             timings=timings(request, now),
         )

@@ -21,6 +21,8 @@ from loom.core.errors import InvalidRequestError
 from loom.core.request import Request
 from loom.core.sampling_params import SamplingParams
 
+MAX_CACHE_SALT_CHARS = 256
+
 
 @attrs.frozen(kw_only=True)
 class ChatMessage:
@@ -63,6 +65,13 @@ class PromptChecker:
             raise InvalidRequestError(
                 f"prompt has {num_chars} characters; the limit is "
                 f"max_prompt_chars={self.max_prompt_chars}"
+            )
+
+    @staticmethod
+    def check_cache_salt(cache_salt: str) -> None:
+        if len(cache_salt) > MAX_CACHE_SALT_CHARS:
+            raise InvalidRequestError(
+                f"cache_salt has {len(cache_salt)} characters; the limit is {MAX_CACHE_SALT_CHARS}"
             )
 
     def tokenize(self, prompt: Prompt) -> tuple[int, ...]:
@@ -123,6 +132,7 @@ class PromptChecker:
         *,
         arrival_time: float,
         deadline: float | None,
+        cache_salt: str = "",
     ) -> Request:
         """A checked request for a tokenised prompt."""
         return Request(
@@ -133,6 +143,7 @@ class PromptChecker:
             eos_token_ids=self.eos_token_ids,
             arrival_time=arrival_time,
             deadline=deadline,
+            cache_salt=cache_salt,
         )
 
     def check(self, token_ids: Sequence[int], max_tokens: int | None) -> int:

@@ -14,6 +14,12 @@ queue. Victims: paused requests first (the longest paused first), then the lates
 Waiting requests are admitted only in steps that preempted nothing; a preempted request resumes
 only when blocks for all its tokens are free, so that it does not thrash.
 
+With prefix caching, a waiting request first takes the cached blocks that hold the longest run
+of its full blocks (whole blocks only, never its last token: a step must compute at least one
+token to sample from), counts them as computed and prefills only the rest; budgets and block
+checks count only what it lacks. After each step, the blocks a step filled are cached under
+their content hashes (loom/core/prefix_cache.py).
+
 A client that stops reading holds nothing others need: a paused request does not count against
 `max_num_seqs` nor the waiting-queue limits, and when a waiting request lacks blocks, paused
 requests are preempted to make room (they recompute once their consumer reads again).
@@ -34,6 +40,7 @@ import attrs
 
 from loom.core.block_manager import BlockManager
 from loom.core.config import SchedulerConfig
+from loom.core.prefix_cache import block_hashes
 from loom.core.request import Request, RequestStatus
 from loom.core.request_output import Logprobs
 from loom.core.step import ModelRunnerOutput, SamplingInput, ScheduledSequence, SchedulerOutput
@@ -50,6 +57,8 @@ class Scheduler:
     num_chunked_prefills: int = 0  # prompt chunks that left part of their prompt for later
     num_prompt_tokens: int = 0  # of the requests added, all time
     num_generated_tokens: int = 0  # sampled and kept, all time
+    prefix_cache_queries: int = 0  # tokens of the requests admitted (again after a preemption)
+    prefix_cache_hits: int = 0  # of those, found in the prefix cache
 
     def add_request(self, request: Request) -> None:
         self.requests[request.request_id] = request
@@ -124,40 +133,56 @@ class Scheduler:
         self.waiting.appendleft(request)
 
     def admit_waiting(self, chosen: list[tuple[Request, int]], budget: int) -> None:
+        bm = self.block_manager
         for request in list(self.waiting):
             if budget == 0 or self.num_active() >= self.config.max_num_seqs:
                 return
             if request.paused:
                 continue  # preempted while its consumer was not reading: wait for a resume
+            cached = self.cached_prefix(request)
+            num_cached = len(cached) * bm.block_size
             if request.status is RequestStatus.PREEMPTED and not self.make_room(
-                request.request_id, request.num_tokens + 1
+                request.request_id, request.num_tokens + 1, cached
             ):
                 return
-            num_new = min(request.num_tokens, budget)
+            num_new = min(request.num_tokens - num_cached, budget)
             if not (
-                self.make_room(request.request_id, num_new)
-                and self.block_manager.allocate(request.request_id, num_new)
+                self.make_room(request.request_id, num_cached + num_new, cached)
+                and bm.allocate(request.request_id, num_cached + num_new, cached)
             ):
                 return
             self.waiting.remove(request)
             request.status = RequestStatus.RUNNING
+            request.num_computed_tokens = num_cached
+            if request.first_scheduled_time is None:
+                request.num_cached_tokens = num_cached
+            self.prefix_cache_queries += request.num_tokens
+            self.prefix_cache_hits += num_cached
             self.running.append(request)
             chosen.append((request, num_new))
             budget -= num_new
 
-    def make_room(self, request_id: str, num_tokens: int) -> bool:
-        """Whether blocks for `num_tokens` of a waiting request are free, after preempting paused
-        requests if they hold enough (and only then)."""
+    def cached_prefix(self, request: Request) -> list[int]:
+        """The cached blocks a waiting request can take: whole blocks, never its last token."""
         bm = self.block_manager
-        needed = bm.num_blocks_needed(request_id, num_tokens)
+        if not bm.enable_caching:
+            return []
+        return bm.cached_prefix(block_hashes(request, bm.block_size, request.num_tokens - 1))
+
+    def make_room(self, request_id: str, num_tokens: int, cached: list[int]) -> bool:
+        """Whether blocks for `num_tokens` of a waiting request (with its `cached` prefix) are
+        free, after preempting paused requests if they hold enough (and only then)."""
+        bm = self.block_manager
         paused = [r for r in self.running if r.paused]
         held = sum(len(bm.block_table(r.request_id)) for r in paused)
-        if needed > bm.num_free_blocks + held:
+        if bm.num_blocks_needed(request_id, num_tokens, cached) > bm.num_free_blocks + held:
             return False
-        while needed > bm.num_free_blocks and (victim := self.longest_paused(paused)):
+        while bm.num_blocks_needed(request_id, num_tokens, cached) > bm.num_free_blocks and (
+            victim := self.longest_paused(paused)
+        ):
             paused.remove(victim)
             self.preempt(victim)
-        return needed <= bm.num_free_blocks
+        return bm.num_blocks_needed(request_id, num_tokens, cached) <= bm.num_free_blocks
 
     def scheduled(self, request: Request, num_new: int) -> ScheduledSequence:
         start = request.num_computed_tokens
@@ -182,6 +207,7 @@ class Scheduler:
             request = self.requests.get(seq.request_id)
             if request is not None:  # else finished while the step ran
                 request.num_computed_tokens += len(seq.token_ids)
+                self.cache_full_blocks(request, seq.num_computed_tokens)
         advanced = []
         sampled = zip(result.request_ids, result.token_ids, result.logprobs, strict=True)
         for request_id, token_id, logprobs in sampled:
@@ -199,6 +225,15 @@ class Scheduler:
                 self.finish(request, status)
             advanced.append((request, logprobs))
         return advanced
+
+    def cache_full_blocks(self, request: Request, num_computed_before: int) -> None:
+        """Offer the blocks that the step filled to the prefix cache."""
+        bm = self.block_manager
+        if not bm.enable_caching:
+            return
+        first = num_computed_before // bm.block_size
+        hashes = block_hashes(request, bm.block_size, request.num_computed_tokens)
+        bm.cache(request.request_id, first, hashes[first:])
 
     def finish(self, request: Request, status: RequestStatus, error: str | None = None) -> bool:
         """End a request and free its blocks. Idempotent: False if it had already finished."""

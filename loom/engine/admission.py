@@ -45,6 +45,7 @@ class Submission:
     sampling: SamplingParams
     arrival_time: float
     deadline: float | None
+    cache_salt: str
     stream: RequestStream
 
 
@@ -84,12 +85,14 @@ class Admission:
         sampling: SamplingParams,
         *,
         deadline: float | None,
+        cache_salt: str,
         abort: Callable[[str], None],
         resume: Callable[[str], None],
     ) -> RequestStream:
         """Queue a request under a new id of the engine's making, or refuse it at once. The
         stream's consumer reaches the engine's `abort` and `resume` for this id alone."""
         self.prompts.check_size(prompt)
+        self.prompts.check_cache_salt(cache_salt)
         num_queued = self.scheduler.num_waiting() + self.num_unhandled
         if num_queued >= self.config.max_waiting_requests:
             raise EngineOverloadedError(
@@ -109,6 +112,7 @@ class Admission:
             sampling=sampling,
             arrival_time=trio.current_time(),
             deadline=deadline,
+            cache_salt=cache_salt,
             stream=stream,
         )
         self.send.send_nowait(submission)
@@ -164,6 +168,7 @@ class Admission:
                 submission.sampling,
                 arrival_time=submission.arrival_time,
                 deadline=submission.deadline,
+                cache_salt=submission.cache_salt,
             )
             self.check_backlog(request.num_prompt_tokens)
         except Exception as exc:  # invalid or overloaded

@@ -98,7 +98,11 @@ class Engine:
 
     def open(self, loaded: LoadedModel, runner: ModelRunner) -> None:
         self.runner = runner
-        blocks = BlockManager(runner.num_blocks, runner.block_size)
+        blocks = BlockManager(
+            runner.num_blocks,
+            runner.block_size,
+            enable_caching=self.config.cache.enable_prefix_caching,
+        )
         self.scheduler = Scheduler(self.config.scheduler, blocks)
         self.admission = Admission.for_model(self.config, loaded, runner, self.scheduler)
         self.outputs = OutputProcessor(loaded.tokenizer)
@@ -117,6 +121,7 @@ class Engine:
         sampling: SamplingParams | None = None,
         *,
         deadline: float | None = None,
+        cache_salt: str = "",
     ) -> RequestStream:
         """Queue a request; its outputs arrive in the returned stream, whose `request_id` is the
         engine's own. Raises at once EngineDeadError when the engine is not serving,
@@ -126,7 +131,12 @@ class Engine:
             raise EngineDeadError(self.refusal())
         sampling = sampling or SamplingParams()
         return self.admission.submit(
-            prompt, sampling, deadline=deadline, abort=self.abort, resume=self.resume
+            prompt,
+            sampling,
+            deadline=deadline,
+            cache_salt=cache_salt,
+            abort=self.abort,
+            resume=self.resume,
         )
 
     @asynccontextmanager
@@ -136,11 +146,12 @@ class Engine:
         sampling: SamplingParams | None = None,
         *,
         deadline: float | None = None,
+        cache_salt: str = "",
     ) -> AsyncIterator[AsyncIterator[RequestOutput]]:
         """`async with engine.generate(...) as outputs: async for output in outputs: ...`
 
         Leaving the block early, by cancellation or an error, aborts the request."""
-        stream = self.submit(prompt, sampling, deadline=deadline)
+        stream = self.submit(prompt, sampling, deadline=deadline, cache_salt=cache_salt)
         try:
             async with aclosing(stream.outputs()) as outputs:
                 yield outputs

@@ -21,6 +21,9 @@ class EngineStats:
     num_prompt_tokens: int  # admitted prompt tokens, all time
     num_generated_tokens: int  # sampled tokens, all time
     finished: dict[str, int]  # finished requests by finish reason
+    num_cached_blocks: int  # holding a reusable prefix, free (evictable) or held
+    prefix_cache_queries: int  # tokens of the requests admitted, all time
+    prefix_cache_hits: int  # of those, found in the prefix cache
 
     @classmethod
     def of(cls, scheduler: Scheduler, outputs: OutputProcessor, *, num_pending: int) -> EngineStats:
@@ -35,6 +38,9 @@ class EngineStats:
             num_prompt_tokens=scheduler.num_prompt_tokens,
             num_generated_tokens=scheduler.num_generated_tokens,
             finished={reason.value: n for reason, n in outputs.finished.items()},
+            num_cached_blocks=scheduler.block_manager.num_cached_blocks,
+            prefix_cache_queries=scheduler.prefix_cache_queries,
+            prefix_cache_hits=scheduler.prefix_cache_hits,
         )
 
 

@@ -121,7 +121,12 @@ class LoomServicer(LoomBase):
                 sampling = wire.sampling_from(request.sampling)
                 timeout = deadline.time_remaining() if deadline else None
                 outputs = await self.bridge.call(
-                    self.submit_until, prompt, sampling, timeout, orphan=RequestStream.abort
+                    self.submit_until,
+                    prompt,
+                    sampling,
+                    request.cache_salt,
+                    timeout,
+                    orphan=RequestStream.abort,
                 )
                 try:
                     await self.relay(stream, outputs, request_id)
@@ -153,11 +158,11 @@ class LoomServicer(LoomBase):
                 del self.streams_per_connection[connection]
 
     def submit_until(
-        self, prompt: Prompt, sampling: SamplingParams, timeout: float | None
+        self, prompt: Prompt, sampling: SamplingParams, cache_salt: str, timeout: float | None
     ) -> RequestStream:
         """In the trio thread: submit, the client's gRPC deadline becoming the request's."""
         deadline = None if timeout is None else trio.current_time() + timeout
-        return self.engine.submit(prompt, sampling, deadline=deadline)
+        return self.engine.submit(prompt, sampling, deadline=deadline, cache_salt=cache_salt)
 
     async def relay(self, stream: GenerateStream, outputs: RequestStream, request_id: str) -> None:
         event = asyncio.Event()

@@ -72,6 +72,29 @@ def test_bench_runs_against_a_launched_server_with_the_baseline(
         assert run["loom"]["server"]["num_total_blocks"] > 0
 
 
+@pytest.mark.parametrize("workload", ["shared-prefix", "multi-turn"])
+def test_bench_prefix_workloads_compare_caching_on_and_off(
+    workload: str, tiny_folder: Path, tmp_path: Path
+) -> None:
+    out = tmp_path / "bench.json"
+    command = [sys.executable, "-m", "loom", "bench", "--model", str(tiny_folder)]
+    command += ["--workload", workload, "--concurrency", "3", "--prefix-len", "40"]
+    command += ["--turns", "3", "--input-len", "8", "--output-len", "8"]
+    command += ["--compare-prefix-caching", "--json", str(out)]
+    result = subprocess.run(command, capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0, result.stderr[-2000:]
+    assert "caching off" in result.stdout
+    (run,) = json.loads(out.read_text())["runs"]
+    requests = 9 if workload == "multi-turn" else 3
+    on, off = run["loom"], run["caching_off"]
+    assert on["completed"] == off["completed"] == requests
+    assert on["server"]["prompt_tokens_cached"] > 0
+    assert off["server"]["prompt_tokens_cached"] == 0
+    # The same prompts: what one computed and found, the other computed.
+    total = on["server"]["prompt_tokens_computed"] + on["server"]["prompt_tokens_cached"]
+    assert total == off["server"]["prompt_tokens_computed"]
+
+
 @pytest.mark.parametrize(
     ("flags", "message"),
     [
@@ -81,6 +104,12 @@ def test_bench_runs_against_a_launched_server_with_the_baseline(
         (["--output-len", "0"], "--output-len must be at least 1, got 0"),
         (["--request-rate", "0"], "--request-rate must be above 0"),
         (["--goodput", "ttfb=100"], "--goodput takes ttft, tpot and e2e, not ttfb"),
+        (["--turns", "0"], "--turns must be at least 1, got 0"),
+        (
+            ["--workload", "multi-turn", "--baseline"],
+            "--baseline and --llama-server run the standard workload only",
+        ),
+        (["--compare-prefix-caching"], "--compare-prefix-caching launches both servers"),
         (["--llama-server", "/no/llama-server"], "--llama-server: no such file: /no/llama-server"),
         (
             ["--llama-server", sys.executable, "--model", "some/folder"],

@@ -75,8 +75,9 @@ def test_block_manager_reference_counts_keep_shared_blocks_until_last_holder_fre
     manager = BlockManager(num_blocks=6, block_size=2)
     assert manager.allocate("parent", 4)
     prefix = manager.block_table("parent")
-    manager.share("child", prefix)
-    assert manager.allocate("child", 6)  # one private block on top of the shared prefix
+    manager.cache("parent", 0, [b"h0", b"h1"])
+    assert manager.cached_prefix([b"h0", b"h1", b"h2"]) == list(prefix)
+    assert manager.allocate("child", 6, cached=prefix)  # one private block on the shared prefix
     assert manager.block_table("child")[:2] == prefix
     assert [manager.ref_count(b) for b in prefix] == [2, 2]
     assert manager.num_free_blocks == 2
@@ -86,14 +87,79 @@ def test_block_manager_reference_counts_keep_shared_blocks_until_last_holder_fre
     assert manager.num_free_blocks == 2  # the prefix is still held by the child
     manager.free("child")
     assert manager.num_free_blocks == manager.num_total_blocks
+    assert manager.num_cached_blocks == 2  # free, and still reusable
+    assert all(manager.is_evictable(b) for b in prefix)
 
 
-def test_block_manager_refuses_to_share_unheld_blocks() -> None:
-    manager = BlockManager(num_blocks=4, block_size=2)
-    with pytest.raises(ValueError, match="block 2 is not held"):
-        manager.share("x", (2,))
-    with pytest.raises(ValueError, match="block 0 is not held"):
-        manager.share("x", (NULL_BLOCK,))
+def test_block_manager_takes_empty_blocks_first_then_evicts_least_recently_released() -> None:
+    manager = BlockManager(num_blocks=7, block_size=2)  # 6 usable
+    for name in "ab":
+        assert manager.allocate(name, 4)
+        manager.cache(name, 0, [name.encode() + b"0", name.encode() + b"1"])
+    a, b = manager.block_table("a"), manager.block_table("b")
+    manager.free("a")  # released first: a's second block, then its first
+    manager.free("b")
+    assert (manager.num_free_blocks, manager.num_cached_blocks) == (6, 4)
+    assert manager.allocate("c", 4)  # the two empty blocks
+    assert manager.num_cached_blocks == 4
+    assert manager.allocate("d", 2)  # evicts the least recently released: a's last block
+    assert manager.block_table("d") == (a[1],)
+    assert manager.cached_prefix([b"a0", b"a1"]) == [a[0]]  # a's first block is still there
+    assert manager.allocate("e", 6)  # a's first block, then b's, last block first
+    assert manager.block_table("e") == (a[0], b[1], b[0])
+    assert manager.num_cached_blocks == 0
+    assert not manager.allocate("f", 1)
+
+
+def test_block_manager_never_evicts_a_held_block_and_counts_a_hit_it_revives() -> None:
+    manager = BlockManager(num_blocks=4, block_size=2)  # 3 usable
+    assert manager.allocate("a", 4)
+    manager.cache("a", 0, [b"x", b"y"])
+    prefix = manager.block_table("a")
+    assert manager.allocate("b", 2, cached=prefix[:1])  # shares a's first block: no new block
+    manager.free("a")  # a's second block is evictable; its first is held by b
+    assert manager.num_free_blocks == 2
+    # Reviving the evictable block costs a free block, as a new one would.
+    assert manager.num_blocks_needed("c", 6, cached=prefix) == 2
+    assert manager.allocate("c", 6, cached=prefix)
+    assert manager.num_free_blocks == 0
+    assert not manager.allocate("d", 1)
+    manager.free("b")
+    manager.free("c")
+    assert manager.num_free_blocks == manager.num_total_blocks
+
+
+def test_block_manager_keeps_the_first_block_cached_under_a_hash() -> None:
+    manager = BlockManager(num_blocks=6, block_size=2)
+    assert manager.allocate("a", 2)
+    assert manager.allocate("b", 2)  # the same content, computed twice (neither had hit)
+    manager.cache("a", 0, [b"same"])
+    manager.cache("b", 0, [b"same"])
+    assert manager.cached_prefix([b"same"]) == list(manager.block_table("a"))
+    manager.free("b")  # b's copy was never cached: it holds nothing reusable
+    assert manager.num_cached_blocks == 1
+
+
+def test_block_manager_without_caching_caches_and_finds_nothing() -> None:
+    manager = BlockManager(num_blocks=4, block_size=2, enable_caching=False)
+    assert manager.allocate("a", 4)
+    manager.cache("a", 0, [b"x", b"y"])
+    assert manager.cached_prefix([b"x"]) == []
+    manager.free("a")
+    assert manager.num_cached_blocks == 0
+
+
+def test_block_manager_refuses_a_prefix_after_blocks_or_of_uncached_blocks() -> None:
+    manager = BlockManager(num_blocks=6, block_size=2)
+    assert manager.allocate("a", 2)
+    manager.cache("a", 0, [b"x"])
+    with pytest.raises(ValueError, match="a prefix comes first"):
+        manager.allocate("a", 4, cached=manager.block_table("a"))
+    with pytest.raises(ValueError, match="block 2 holds no cached prefix"):
+        manager.allocate("b", 2, cached=[2])
+    with pytest.raises(ValueError, match="block 0 holds no cached prefix"):
+        manager.allocate("b", 2, cached=[NULL_BLOCK])
+    assert not manager.has_request("b")
 
 
 def test_block_manager_rejects_a_pool_without_usable_blocks() -> None:
@@ -102,14 +168,19 @@ def test_block_manager_rejects_a_pool_without_usable_blocks() -> None:
 
 
 class BlockManagerMachine(RuleBasedStateMachine):
-    """Random allocate / append / share / free sequences keep the pool's books balanced."""
+    """Random allocate / append / cache / share / free sequences keep the pool's books balanced:
+    a block is free or held, never both; an evictable block is cached and held by no one."""
 
     def __init__(self) -> None:
         super().__init__()
         self.manager = BlockManager(num_blocks=17, block_size=4)
         self.num_tokens: dict[str, int] = {}
-        self.shared: set[str] = set()
+        self.hashes: dict[str, list[bytes]] = {}  # what each request's full blocks would hold
         self.next_id = 0
+
+    def fresh_hashes(self) -> list[bytes]:
+        self.next_id += 1
+        return [f"{self.next_id}.{i}".encode() for i in range(12)]
 
     @rule(num_tokens=st.integers(min_value=1, max_value=40))
     def allocate_new(self, num_tokens: int) -> None:
@@ -118,6 +189,7 @@ class BlockManagerMachine(RuleBasedStateMachine):
         free_before = self.manager.num_free_blocks
         if self.manager.allocate(request_id, num_tokens):
             self.num_tokens[request_id] = num_tokens
+            self.hashes[request_id] = self.fresh_hashes()
             assert free_before - self.manager.num_free_blocks == num_blocks_for(num_tokens, 4)
         else:
             assert num_blocks_for(num_tokens, 4) > free_before
@@ -138,15 +210,30 @@ class BlockManagerMachine(RuleBasedStateMachine):
 
     @precondition(lambda self: self.num_tokens)
     @rule(data=st.data())
-    def share_prefix(self, data: st.DataObject) -> None:
+    def cache_full_blocks(self, data: st.DataObject) -> None:
+        request_id = data.draw(st.sampled_from(sorted(self.num_tokens)))
+        self.manager.cache(
+            request_id, 0, self.hashes[request_id][: self.num_tokens[request_id] // 4]
+        )
+
+    @precondition(lambda self: self.num_tokens)
+    @rule(data=st.data(), extra=st.integers(min_value=1, max_value=9))
+    def share_prefix(self, data: st.DataObject, extra: int) -> None:
         parent = data.draw(st.sampled_from(sorted(self.num_tokens)))
-        table = self.manager.block_table(parent)
-        num_full = self.num_tokens[parent] // 4
+        prefix = self.manager.cached_prefix(self.hashes[parent])
         child = f"r{self.next_id}"
         self.next_id += 1
-        self.manager.share(child, table[:num_full])
-        self.num_tokens[child] = num_full * 4
-        self.shared.update({parent, child})
+        wanted = len(prefix) * 4 + extra
+        free_before = self.manager.num_free_blocks
+        needed = self.manager.num_blocks_needed(child, wanted, prefix)
+        if self.manager.allocate(child, wanted, prefix):
+            assert self.manager.block_table(child)[: len(prefix)] == tuple(prefix)
+            assert free_before - self.manager.num_free_blocks == needed
+            self.num_tokens[child] = wanted
+            self.hashes[child] = self.hashes[parent][: len(prefix)] + self.fresh_hashes()
+        else:
+            assert needed > free_before
+            assert not self.manager.has_request(child)
 
     @precondition(lambda self: self.num_tokens)
     @rule(data=st.data(), twice=st.booleans())
@@ -170,20 +257,19 @@ class BlockManagerMachine(RuleBasedStateMachine):
             assert len(table) * 4 >= num_tokens
 
     @invariant()
-    def ref_counts_match_holders_and_unshared_tables_are_disjoint(self) -> None:
+    def ref_counts_match_holders_and_evictable_blocks_are_cached_and_unheld(self) -> None:
         holders: dict[int, int] = {}
         for request_id in self.num_tokens:
             for block_id in self.manager.block_table(request_id):
                 holders[block_id] = holders.get(block_id, 0) + 1
         for block_id in range(1, self.manager.num_blocks):
             assert self.manager.ref_count(block_id) == holders.get(block_id, 0)
-        private = [
-            b for r in self.num_tokens if r not in self.shared for b in self.manager.block_table(r)
-        ]
-        assert len(private) == len(set(private))
-        assert not set(private) & {
-            b for r in self.shared if r in self.num_tokens for b in self.manager.block_table(r)
+            if self.manager.is_evictable(block_id):
+                assert not holders.get(block_id)
+        held_or_evictable = set(holders) | {
+            b for b in range(self.manager.num_blocks) if self.manager.is_evictable(b)
         }
+        assert self.manager.num_cached_blocks <= len(held_or_evictable)
 
 
 BlockManagerMachine.TestCase.settings = settings(max_examples=200, stateful_step_count=40)

@@ -13,10 +13,13 @@ from loom.core.step import SchedulerOutput
 from tests.factory import make_request, sampled
 
 
-def make_scheduler(num_blocks: int = 64, block_size: int = 4, **config: int) -> Scheduler:
-    return Scheduler(
-        SchedulerConfig(**config), BlockManager(num_blocks=num_blocks, block_size=block_size)
-    )
+def make_scheduler(
+    num_blocks: int = 64, block_size: int = 4, *, caching: bool = False, **config: int
+) -> Scheduler:
+    """Without prefix caching unless asked: these prompts (1, 2, 3, ...) all share prefixes, and
+    tests/core/test_prefix_cache.py is where caching's own behaviour is checked."""
+    blocks = BlockManager(num_blocks=num_blocks, block_size=block_size, enable_caching=caching)
+    return Scheduler(SchedulerConfig(**config), blocks)
 
 
 def step(scheduler: Scheduler) -> SchedulerOutput:

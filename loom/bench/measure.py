@@ -1,0 +1,162 @@
+"""`loom bench`, one concurrency level: the workload, the runs on Loom (caching on, and off with
+--compare-prefix-caching), the baselines asked for, and the printed tables."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+from typing import Any
+
+from loom.bench.baseline import run_baseline
+from loom.bench.llama_cpp import drive_llama_server
+from loom.bench.metrics import Objectives, summarize, table
+from loom.bench.serving import (
+    Conversations,
+    Workload,
+    drive,
+    drive_conversations,
+    make_conversations,
+    make_shared_prefix_workload,
+    make_workload,
+)
+from loom.model.loader import LoadedModel
+
+
+def measure(
+    args: argparse.Namespace,
+    loaded: LoadedModel,
+    pad: int,
+    goals: Objectives,
+    address: tuple[str, int],
+    others: tuple[int | None, int | None],
+    concurrency: int,
+) -> dict[str, Any]:
+    """One concurrency level: warm up, drive the server, then the caching-off server and the
+    baselines asked for; print."""
+    host, port = address
+    off_port, llama_port = others
+    workload = make_workload_of(args, loaded, concurrency)
+    warm = make_workload(loaded.tokenizer, args.warmup, args.input_len, 8, args.seed - 1)
+    timings, duration, server = run_workload(args, (host, port), workload, warm, concurrency)
+    result: dict[str, Any] = {
+        "concurrency": concurrency,
+        "loom": summarize(timings, duration, goals) | {"server": server},
+    }
+    if off_port is not None:
+        off = run_workload(args, (host, off_port), workload, warm, concurrency)
+        result["caching_off"] = summarize(off[0], off[1], goals) | {"server": off[2]}
+    if isinstance(workload, Workload):
+        result |= baselines(args, loaded, pad, goals, workload, llama_port, concurrency)
+    title = title_of(args, workload, server, concurrency)
+    print(table(title, result["loom"], result.get("baseline"), "transformers"), flush=True)
+    if "caching_off" in result:
+        off_server = result["caching_off"]["server"]
+        print(table("", result["loom"], result["caching_off"], "caching off"), flush=True)
+        print(
+            f"{'prompt tokens computed':<24}{server['prompt_tokens_computed']:>12}"
+            f"{off_server['prompt_tokens_computed']:>12}\n"
+            f"{'prompt tokens cached':<24}{server['prompt_tokens_cached']:>12}"
+            f"{off_server['prompt_tokens_cached']:>12}",
+            flush=True,
+        )
+    if "llama_cpp" in result:
+        print(table("", result["loom"], result["llama_cpp"], "llama.cpp"), flush=True)
+    return result
+
+
+def make_workload_of(
+    args: argparse.Namespace, loaded: LoadedModel, concurrency: int
+) -> Workload | Conversations:
+    n, seed = args.num_prompts or concurrency, args.seed + concurrency
+    tokenizer, input_len, output_len = loaded.tokenizer, args.input_len, args.output_len
+    if args.workload == "shared-prefix":
+        return make_shared_prefix_workload(
+            tokenizer, n, args.prefix_len, input_len, output_len, seed
+        )
+    if args.workload == "multi-turn":
+        return make_conversations(tokenizer, concurrency, args.turns, input_len, output_len, seed)
+    return make_workload(tokenizer, n, input_len, output_len, seed)
+
+
+def run_workload(
+    args: argparse.Namespace,
+    address: tuple[str, int],
+    workload: Workload | Conversations,
+    warm: Workload,
+    concurrency: int,
+) -> tuple[list[Any], float, dict[str, int]]:
+    """Warm the server up on prompts of its own (so that the measured prompts find nothing in
+    its prefix cache that they did not put there), then run the workload."""
+    host, port = address
+    warm_up(host, port, warm)
+    if isinstance(workload, Conversations):
+        return asyncio.run(drive_conversations(host, port, workload))
+    return asyncio.run(
+        drive(
+            host,
+            port,
+            workload,
+            concurrency=concurrency,
+            request_rate=args.request_rate,
+            seed=args.seed,
+        )
+    )
+
+
+def title_of(
+    args: argparse.Namespace,
+    workload: Workload | Conversations,
+    server: dict[str, int],
+    concurrency: int,
+) -> str:
+    if isinstance(workload, Conversations):
+        what = (
+            f"{len(workload.turns)} conversations of {args.turns} turns, {args.input_len} new "
+            f"prompt tokens a turn + {args.output_len} output tokens"
+        )
+    elif args.workload == "shared-prefix":
+        what = (
+            f"{len(workload.prompts)} requests, {args.prefix_len} shared + {args.input_len} "
+            f"distinct prompt tokens + {args.output_len} output tokens"
+        )
+    else:
+        what = (
+            f"{len(workload.prompts)} requests, {args.input_len} prompt + {args.output_len} "
+            "output tokens"
+        )
+    return (
+        f"\n== {args.workload}, concurrency {concurrency}: {what}; "
+        f"KV blocks used at most {server['max_used_blocks']}/{server['num_total_blocks']}, "
+        f"preemptions {server['num_preemptions']}"
+    )
+
+
+def baselines(
+    args: argparse.Namespace,
+    loaded: LoadedModel,
+    pad: int,
+    goals: Objectives,
+    workload: Workload,
+    llama_port: int | None,
+    concurrency: int,
+) -> dict[str, Any]:
+    """transformers' `generate` (`--baseline`) and llama.cpp's server (`--llama-server`)."""
+    result = {}
+    if args.baseline:
+        base_timings, base_duration = run_baseline(loaded.model, pad, workload, concurrency)
+        result["baseline"] = summarize(base_timings, base_duration, goals)
+    if llama_port is not None:
+        warm = Workload(prompts=workload.prompts[: args.warmup], output_len=8)
+        drive_llama_server(llama_port, warm, 1)  # unmeasured, as Loom's warm-up
+        llama_timings, llama_duration = drive_llama_server(llama_port, workload, concurrency)
+        result["llama_cpp"] = summarize(llama_timings, llama_duration, goals)
+    return result
+
+
+def warm_up(host: str, port: int, workload: Workload) -> None:
+    """Unmeasured requests, one at a time, so that the measured run starts warm."""
+    asyncio.run(
+        drive(
+            host, port, workload, concurrency=1, request_rate=float("inf"), seed=0, progress=False
+        )
+    )

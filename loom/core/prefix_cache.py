@@ -1,0 +1,43 @@
+"""Content addresses for full KV blocks: what prefix caching shares blocks by.
+
+A block's hash is chained over its parent block's hash and its own token ids, so equal hashes
+mean equal tokens at equal positions from the first token on (the scheme of vLLM v1 and
+nano-vllm). The hash is BLAKE2b-256 keyed with a secret drawn when the process starts: a client
+cannot compute any block's hash, so it can neither find nor steer a collision, and never
+receives K/V computed from another client's different text. Hashes live only in this process.
+
+A request's `cache_salt` goes into its first block's hash: requests with different salts share
+no block (a cache hit shows in the time to first token, so a tenant who must not be probed by
+others sends a salt of its own); requests without one share with each other.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+from array import array
+
+from loom.core.request import Request
+
+SECRET = os.urandom(32)
+
+
+def root_hash(salt: str) -> bytes:
+    """The first block's parent: the salt, alone."""
+    return blake2b(b"salt\0" + salt.encode())
+
+
+def blake2b(data: bytes) -> bytes:
+    return hashlib.blake2b(data, digest_size=32, key=SECRET).digest()
+
+
+def block_hashes(request: Request, block_size: int, num_tokens: int) -> list[bytes]:
+    """The hashes of the request's full blocks within its first `num_tokens` tokens (prompt,
+    then output). Kept on the request and extended as it grows: each block is hashed once."""
+    hashes = request.block_hashes
+    parent = hashes[-1] if hashes else root_hash(request.cache_salt)
+    for start in range(len(hashes) * block_size, num_tokens - block_size + 1, block_size):
+        tokens = array("i", request.token_ids(start, start + block_size))
+        parent = blake2b(parent + tokens.tobytes())
+        hashes.append(parent)
+    return hashes[: num_tokens // block_size]
