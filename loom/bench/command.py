@@ -15,12 +15,12 @@ from typing import Any
 import torch
 
 from loom.bench.llama_cpp import check_llama_server, launched_llama_server
-from loom.bench.measure import measure
+from loom.bench.measure import measure, measure_caching_off, report
 from loom.bench.metrics import Objectives
 from loom.bench.serving import launched_server
 from loom.core.setting import at_least
 from loom.model.linear import METHODS
-from loom.model.loader import default_model_path, load_model
+from loom.model.loader import LoadedModel, default_model_path, load_model
 
 
 def add_parser(commands: Any) -> argparse.ArgumentParser:
@@ -68,8 +68,8 @@ def add_parser(commands: Any) -> argparse.ArgumentParser:
     add(
         "--compare-prefix-caching",
         action="store_true",
-        help="also launch a server with --no-enable-prefix-caching and run the same workload on "
-        "it, side by side",
+        help="then launch a server with --no-enable-prefix-caching (once the first has stopped) "
+        "and run the same workloads on it; the tables put the two side by side",
     )
     add(
         "--input-len",
@@ -142,16 +142,6 @@ def server_address(args: argparse.Namespace) -> Iterator[tuple[str, int]]:
         yield "127.0.0.1", port
 
 
-@contextlib.contextmanager
-def caching_off_server(args: argparse.Namespace) -> Iterator[int | None]:
-    """With --compare-prefix-caching, the port of a second launched server without it."""
-    if not args.compare_prefix_caching:
-        yield None
-        return
-    with launched_server([*serve_args_of(args), "--no-enable-prefix-caching"]) as port:
-        yield port
-
-
 def run(args: argparse.Namespace) -> int:
     goals = objectives(args.goodput)
     concurrencies = counts("--concurrency", args.concurrency)
@@ -174,19 +164,17 @@ def run(args: argparse.Namespace) -> int:
         check_llama_server(args.llama_server, gguf_of(args))
     loaded = load_model(args.model, dtype=torch.float32, device=torch.device("cpu"))
     pad = loaded.tokenizer.pad_token_id or loaded.tokenizer.eos_token_id or 0
-    with (
-        server_address(args) as (host, port),
-        caching_off_server(args) as off_port,
-        llama_server(args, concurrencies) as llama,
-    ):
+    with server_address(args) as (host, port), llama_server(args, concurrencies) as llama:
         try:
             results = [
-                measure(args, loaded, pad, goals, (host, port), (off_port, llama), c)
-                for c in concurrencies
+                measure(args, loaded, pad, goals, (host, port), llama, c) for c in concurrencies
             ]
         except ConnectionError as exc:
             print(f"loom bench: no server answers at {host}:{port} ({exc})", file=sys.stderr)
             return 2
+    compared = not args.compare_prefix_caching or compare_caching_off(args, loaded, goals, results)
+    for result in results:
+        report(result)
     if args.json:
         config = {k: v for k, v in vars(args).items() if k not in ("json", "func")}
         args.json.write_text(json.dumps({"config": config, "runs": results}, indent=2, default=str))
@@ -195,7 +183,23 @@ def run(args: argparse.Namespace) -> int:
     )
     if failed:
         print(f"{failed} requests failed", file=sys.stderr)
-    return 1 if failed else 0
+    return 1 if failed or not compared else 0
+
+
+def compare_caching_off(
+    args: argparse.Namespace, loaded: LoadedModel, goals: Objectives, results: list[dict[str, Any]]
+) -> bool:
+    """The same workloads on a server without prefix caching, launched once the first has
+    stopped: one server at a time (a second one, idle, slowed the first measurably). False if
+    it stopped answering; what the first server gave is reported all the same."""
+    with launched_server([*serve_args_of(args), "--no-enable-prefix-caching"]) as port:
+        try:
+            for result in results:
+                measure_caching_off(args, loaded, goals, ("127.0.0.1", port), result)
+        except ConnectionError as exc:
+            print(f"loom bench: the caching-off server stopped answering ({exc})", file=sys.stderr)
+            return False
+    return True
 
 
 @contextlib.contextmanager

@@ -1,10 +1,11 @@
-"""`loom bench`, one concurrency level: the workload, the runs on Loom (caching on, and off with
---compare-prefix-caching), the baselines asked for, and the printed tables."""
+"""`loom bench`, one concurrency level: the workload, the run on Loom, the baselines asked for,
+the run on a server without prefix caching (--compare-prefix-caching), and the printed tables."""
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import sys
 from typing import Any
 
 from loom.bench.baseline import run_baseline
@@ -21,6 +22,10 @@ from loom.bench.serving import (
 )
 from loom.model.loader import LoadedModel
 
+# The warm-up's prompts: none of a measured run's (whose seeds are --seed + concurrency; Python
+# seeds a generator with an integer's absolute value, so a negative offset would not do).
+WARM_UP_SEED = 10**9
+
 
 def measure(
     args: argparse.Namespace,
@@ -28,40 +33,48 @@ def measure(
     pad: int,
     goals: Objectives,
     address: tuple[str, int],
-    others: tuple[int | None, int | None],
+    llama_port: int | None,
     concurrency: int,
 ) -> dict[str, Any]:
-    """One concurrency level: warm up, drive the server, then the caching-off server and the
-    baselines asked for; print."""
-    host, port = address
-    off_port, llama_port = others
+    """One concurrency level: warm up, drive the server, then the baselines asked for."""
     workload = make_workload_of(args, loaded, concurrency)
-    warm = make_workload(loaded.tokenizer, args.warmup, args.input_len, 8, args.seed - 1)
-    timings, duration, server = run_workload(args, (host, port), workload, warm, concurrency)
+    timings, duration, server = run_workload(args, loaded, address, workload, concurrency)
     result: dict[str, Any] = {
         "concurrency": concurrency,
+        "title": title_of(args, workload, server, concurrency),
         "loom": summarize(timings, duration, goals) | {"server": server},
     }
-    if off_port is not None:
-        off = run_workload(args, (host, off_port), workload, warm, concurrency)
-        result["caching_off"] = summarize(off[0], off[1], goals) | {"server": off[2]}
     if isinstance(workload, Workload):
         result |= baselines(args, loaded, pad, goals, workload, llama_port, concurrency)
-    title = title_of(args, workload, server, concurrency)
-    print(table(title, result["loom"], result.get("baseline"), "transformers"), flush=True)
-    if "caching_off" in result:
-        off_server = result["caching_off"]["server"]
-        print(table("", result["loom"], result["caching_off"], "caching off"), flush=True)
-        print(
-            f"{'prompt tokens computed':<24}{server['prompt_tokens_computed']:>12}"
-            f"{off_server['prompt_tokens_computed']:>12}\n"
-            f"{'prompt tokens cached':<24}{server['prompt_tokens_cached']:>12}"
-            f"{off_server['prompt_tokens_cached']:>12}",
-            flush=True,
-        )
-    if "llama_cpp" in result:
-        print(table("", result["loom"], result["llama_cpp"], "llama.cpp"), flush=True)
     return result
+
+
+def measure_caching_off(
+    args: argparse.Namespace,
+    loaded: LoadedModel,
+    goals: Objectives,
+    address: tuple[str, int],
+    result: dict[str, Any],
+) -> None:
+    """The same level's workload on the server without prefix caching, into `result`."""
+    concurrency = result["concurrency"]
+    workload = make_workload_of(args, loaded, concurrency)
+    timings, duration, server = run_workload(args, loaded, address, workload, concurrency)
+    result["caching_off"] = summarize(timings, duration, goals) | {"server": server}
+
+
+def report(result: dict[str, Any]) -> None:
+    """Print one level's tables: Loom beside transformers, the caching-off server, llama.cpp."""
+    print(table(result["title"], result["loom"], result.get("baseline"), "transformers"))
+    if "caching_off" in result:
+        on, off = result["loom"]["server"], result["caching_off"]["server"]
+        print(table("", result["loom"], result["caching_off"], "caching off"))
+        for what in ("computed", "cached"):
+            key = f"prompt_tokens_{what}"
+            print(f"{'prompt tokens ' + what:<24}{on[key]:>12}{off[key]:>12}")
+    if "llama_cpp" in result:
+        print(table("", result["loom"], result["llama_cpp"], "llama.cpp"))
+    sys.stdout.flush()
 
 
 def make_workload_of(
@@ -80,15 +93,16 @@ def make_workload_of(
 
 def run_workload(
     args: argparse.Namespace,
+    loaded: LoadedModel,
     address: tuple[str, int],
     workload: Workload | Conversations,
-    warm: Workload,
     concurrency: int,
 ) -> tuple[list[Any], float, dict[str, int]]:
     """Warm the server up on prompts of its own (so that the measured prompts find nothing in
     its prefix cache that they did not put there), then run the workload."""
     host, port = address
-    warm_up(host, port, warm)
+    seed = WARM_UP_SEED + args.seed
+    warm_up(host, port, make_workload(loaded.tokenizer, args.warmup, args.input_len, 8, seed))
     if isinstance(workload, Conversations):
         return asyncio.run(drive_conversations(host, port, workload))
     return asyncio.run(

@@ -151,7 +151,7 @@ async def drive(
         desc=f"concurrency {concurrency}",
         file=sys.stderr,
     )
-    server = ServerWatch(host, port)
+    server = await ServerWatch.started(host, port)
     watcher = asyncio.create_task(server.watch())
 
     async def run_one(prompt: tuple[int, ...], channel: Channel) -> RequestTiming:
@@ -187,7 +187,7 @@ async def drive_conversations(
         desc=f"{len(conversations.turns)} conversations",
         file=sys.stderr,
     )
-    server = ServerWatch(host, port)
+    server = await ServerWatch.started(host, port)
     watcher = asyncio.create_task(server.watch())
     timings: list[RequestTiming] = []
 
@@ -210,20 +210,29 @@ async def drive_conversations(
     return timings, duration, await server.summary()
 
 
-class ServerWatch:
-    """Polls GetServerStats during a run: the most KV blocks in use, preemptions in the run."""
+async def server_stats(host: str, port: int) -> pb.ServerStats:
+    async with Channel(host, port) as channel:
+        return await LoomStub(channel).GetServerStats(pb.GetServerStatsRequest())
 
-    def __init__(self, host: str, port: int) -> None:
+
+class ServerWatch:
+    """Polls GetServerStats during a run: the most KV blocks in use; the run's preemptions and
+    prompt tokens from the stats before and after it."""
+
+    def __init__(self, host: str, port: int, first: pb.ServerStats) -> None:
         self.host, self.port = host, port
         self.max_used_blocks = 0
-        self.first: pb.ServerStats | None = None
+        self.first = first
+
+    @classmethod
+    async def started(cls, host: str, port: int) -> ServerWatch:
+        """A watch holding the stats from before the run's first request."""
+        return cls(host, port, await server_stats(host, port))
 
     async def stats(self) -> pb.ServerStats:
-        async with Channel(self.host, self.port) as channel:
-            return await LoomStub(channel).GetServerStats(pb.GetServerStatsRequest())
+        return await server_stats(self.host, self.port)
 
     async def watch(self) -> None:
-        self.first = await self.stats()
         while True:
             stats = await self.stats()
             self.max_used_blocks = max(
@@ -234,8 +243,7 @@ class ServerWatch:
     async def summary(self) -> dict[str, int]:
         """The run's figures: its preemptions and prompt tokens (computed, and found in the
         prefix cache) from the difference of the stats before and after."""
-        last = await self.stats()
-        first = self.first or last
+        last, first = await self.stats(), self.first
         queried = last.prefix_cache_queries - first.prefix_cache_queries
         cached = last.prefix_cache_hits - first.prefix_cache_hits
         return {

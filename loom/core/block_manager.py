@@ -83,6 +83,10 @@ class BlockManager:
     def is_evictable(self, block_id: int) -> bool:
         return block_id in self._evictable
 
+    def cached_hash(self, block_id: int) -> bytes | None:
+        """The content hash a block is cached under, if it is."""
+        return self._hash_of.get(block_id)
+
     def cached_prefix(self, block_hashes: Sequence[bytes]) -> list[int]:
         """The cached blocks that hold the longest run of these hashes, from the first."""
         found: list[int] = []

@@ -17,6 +17,7 @@ import hashlib
 import os
 from array import array
 
+from loom.core.block_manager import BlockManager
 from loom.core.request import Request
 
 SECRET = os.urandom(32)
@@ -41,3 +42,21 @@ def block_hashes(request: Request, block_size: int, num_tokens: int) -> list[byt
         parent = blake2b(parent + tokens.tobytes())
         hashes.append(parent)
     return hashes[: num_tokens // block_size]
+
+
+def cached_prefix(blocks: BlockManager, request: Request) -> list[int]:
+    """The cached blocks a waiting request can take: whole blocks, never the one with its last
+    token (a step must compute at least one token to sample from)."""
+    if not blocks.enable_caching:
+        return []
+    num_tokens = request.num_tokens - 1
+    return blocks.cached_prefix(block_hashes(request, blocks.block_size, num_tokens))
+
+
+def cache_full_blocks(blocks: BlockManager, request: Request, num_computed_before: int) -> None:
+    """Offer the blocks that a step filled (its K/V written) to the prefix cache."""
+    if not blocks.enable_caching:
+        return
+    first = num_computed_before // blocks.block_size
+    hashes = block_hashes(request, blocks.block_size, request.num_computed_tokens)
+    blocks.cache(request.request_id, first, hashes[first:])

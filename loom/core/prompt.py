@@ -73,6 +73,10 @@ class PromptChecker:
             raise InvalidRequestError(
                 f"cache_salt has {len(cache_salt)} characters; the limit is {MAX_CACHE_SALT_CHARS}"
             )
+        try:
+            cache_salt.encode()
+        except UnicodeEncodeError:  # a lone surrogate: only from Python callers
+            raise InvalidRequestError("cache_salt is not valid Unicode text") from None
 
     def tokenize(self, prompt: Prompt) -> tuple[int, ...]:
         """The prompt's token ids, each checked against the vocabulary."""

@@ -67,7 +67,7 @@ class Request:
     first_token_time: float | None = None
     error: str | None = None
     cache_salt: str = ""  # in the first block's hash: different salts share no KV block
-    block_hashes: list[bytes] = attrs.field(factory=list)  # of its full blocks, as known so far
+    block_hashes: list[bytes] = attrs.field(init=False, factory=list)  # of its full blocks
     num_cached_tokens: int = 0  # prompt tokens its first admission found in the prefix cache
 
     @property

@@ -34,13 +34,13 @@ request finished while its step runs keeps that finish; the step's token for it 
 
 from __future__ import annotations
 
-from collections import deque
+from collections import Counter, deque
 
 import attrs
 
 from loom.core.block_manager import BlockManager
 from loom.core.config import SchedulerConfig
-from loom.core.prefix_cache import block_hashes
+from loom.core.prefix_cache import cache_full_blocks, cached_prefix
 from loom.core.request import Request, RequestStatus
 from loom.core.request_output import Logprobs
 from loom.core.step import ModelRunnerOutput, SamplingInput, ScheduledSequence, SchedulerOutput
@@ -139,7 +139,7 @@ class Scheduler:
                 return
             if request.paused:
                 continue  # preempted while its consumer was not reading: wait for a resume
-            cached = self.cached_prefix(request)
+            cached = cached_prefix(bm, request)
             num_cached = len(cached) * bm.block_size
             if request.status is RequestStatus.PREEMPTED and not self.make_room(
                 request.request_id, request.num_tokens + 1, cached
@@ -162,20 +162,13 @@ class Scheduler:
             chosen.append((request, num_new))
             budget -= num_new
 
-    def cached_prefix(self, request: Request) -> list[int]:
-        """The cached blocks a waiting request can take: whole blocks, never its last token."""
-        bm = self.block_manager
-        if not bm.enable_caching:
-            return []
-        return bm.cached_prefix(block_hashes(request, bm.block_size, request.num_tokens - 1))
-
     def make_room(self, request_id: str, num_tokens: int, cached: list[int]) -> bool:
         """Whether blocks for `num_tokens` of a waiting request (with its `cached` prefix) are
-        free, after preempting paused requests if they hold enough (and only then)."""
+        free, after preempting paused requests if that frees enough (and only then)."""
         bm = self.block_manager
         paused = [r for r in self.running if r.paused]
-        held = sum(len(bm.block_table(r.request_id)) for r in paused)
-        if bm.num_blocks_needed(request_id, num_tokens, cached) > bm.num_free_blocks + held:
+        freeable = self.freeable(paused, cached)
+        if bm.num_blocks_needed(request_id, num_tokens, cached) > bm.num_free_blocks + freeable:
             return False
         while bm.num_blocks_needed(request_id, num_tokens, cached) > bm.num_free_blocks and (
             victim := self.longest_paused(paused)
@@ -183,6 +176,15 @@ class Scheduler:
             paused.remove(victim)
             self.preempt(victim)
         return bm.num_blocks_needed(request_id, num_tokens, cached) <= bm.num_free_blocks
+
+    def freeable(self, paused: list[Request], cached: list[int]) -> int:
+        """Blocks that preempting all of `paused` would free for a request taking `cached`: those
+        that no one else holds (a block shared with a running request stays held, and one of
+        the request's own prefix would be taken again)."""
+        bm = self.block_manager
+        holders = Counter(b for r in paused for b in bm.block_table(r.request_id))
+        keep = set(cached)
+        return sum(bm.ref_count(b) == n and b not in keep for b, n in holders.items())
 
     def scheduled(self, request: Request, num_new: int) -> ScheduledSequence:
         start = request.num_computed_tokens
@@ -207,7 +209,7 @@ class Scheduler:
             request = self.requests.get(seq.request_id)
             if request is not None:  # else finished while the step ran
                 request.num_computed_tokens += len(seq.token_ids)
-                self.cache_full_blocks(request, seq.num_computed_tokens)
+                cache_full_blocks(self.block_manager, request, seq.num_computed_tokens)
         advanced = []
         sampled = zip(result.request_ids, result.token_ids, result.logprobs, strict=True)
         for request_id, token_id, logprobs in sampled:
@@ -225,15 +227,6 @@ class Scheduler:
                 self.finish(request, status)
             advanced.append((request, logprobs))
         return advanced
-
-    def cache_full_blocks(self, request: Request, num_computed_before: int) -> None:
-        """Offer the blocks that the step filled to the prefix cache."""
-        bm = self.block_manager
-        if not bm.enable_caching:
-            return
-        first = num_computed_before // bm.block_size
-        hashes = block_hashes(request, bm.block_size, request.num_computed_tokens)
-        bm.cache(request.request_id, first, hashes[first:])
 
     def finish(self, request: Request, status: RequestStatus, error: str | None = None) -> bool:
         """End a request and free its blocks. Idempotent: False if it had already finished."""

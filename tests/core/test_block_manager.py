@@ -168,19 +168,32 @@ def test_block_manager_rejects_a_pool_without_usable_blocks() -> None:
 
 
 class BlockManagerMachine(RuleBasedStateMachine):
-    """Random allocate / append / cache / share / free sequences keep the pool's books balanced:
-    a block is free or held, never both; an evictable block is cached and held by no one."""
+    """Random allocate / append / cache / share / free sequences keep the pool's books balanced
+    (a block is free or held, never both; an evictable block is cached and held by no one), and
+    the cache never names a block whose content has changed since it was cached under a hash."""
 
     def __init__(self) -> None:
         super().__init__()
         self.manager = BlockManager(num_blocks=17, block_size=4)
         self.num_tokens: dict[str, int] = {}
         self.hashes: dict[str, list[bytes]] = {}  # what each request's full blocks would hold
+        self.every_hashes: list[list[bytes]] = []  # of every request, freed ones included
+        self.content: dict[int, bytes] = {}  # what each written full block holds
         self.next_id = 0
 
     def fresh_hashes(self) -> list[bytes]:
         self.next_id += 1
         return [f"{self.next_id}.{i}".encode() for i in range(12)]
+
+    def handed_out(self, request_id: str, before: tuple[int, ...]) -> None:
+        """New blocks hold nothing known yet."""
+        for block_id in self.manager.block_table(request_id)[len(before) :]:
+            self.content.pop(block_id, None)
+
+    def add(self, request_id: str, num_tokens: int, hashes: list[bytes]) -> None:
+        self.num_tokens[request_id] = num_tokens
+        self.hashes[request_id] = hashes
+        self.every_hashes.append(hashes)
 
     @rule(num_tokens=st.integers(min_value=1, max_value=40))
     def allocate_new(self, num_tokens: int) -> None:
@@ -188,8 +201,8 @@ class BlockManagerMachine(RuleBasedStateMachine):
         self.next_id += 1
         free_before = self.manager.num_free_blocks
         if self.manager.allocate(request_id, num_tokens):
-            self.num_tokens[request_id] = num_tokens
-            self.hashes[request_id] = self.fresh_hashes()
+            self.add(request_id, num_tokens, self.fresh_hashes())
+            self.handed_out(request_id, ())
             assert free_before - self.manager.num_free_blocks == num_blocks_for(num_tokens, 4)
         else:
             assert num_blocks_for(num_tokens, 4) > free_before
@@ -205,22 +218,26 @@ class BlockManagerMachine(RuleBasedStateMachine):
         if self.manager.allocate(request_id, wanted):
             self.num_tokens[request_id] = wanted
             assert self.manager.block_table(request_id)[: len(before)] == before
+            self.handed_out(request_id, before)
         else:
             assert self.manager.block_table(request_id) == before
 
     @precondition(lambda self: self.num_tokens)
     @rule(data=st.data())
-    def cache_full_blocks(self, data: st.DataObject) -> None:
+    def write_and_cache_full_blocks(self, data: st.DataObject) -> None:
         request_id = data.draw(st.sampled_from(sorted(self.num_tokens)))
-        self.manager.cache(
-            request_id, 0, self.hashes[request_id][: self.num_tokens[request_id] // 4]
-        )
+        hashes = self.hashes[request_id][: self.num_tokens[request_id] // 4]
+        for block_id, block_hash in zip(self.manager.block_table(request_id), hashes, strict=False):
+            self.content[block_id] = block_hash
+        self.manager.cache(request_id, 0, hashes)
 
-    @precondition(lambda self: self.num_tokens)
+    @precondition(lambda self: self.every_hashes)
     @rule(data=st.data(), extra=st.integers(min_value=1, max_value=9))
     def share_prefix(self, data: st.DataObject, extra: int) -> None:
-        parent = data.draw(st.sampled_from(sorted(self.num_tokens)))
-        prefix = self.manager.cached_prefix(self.hashes[parent])
+        """A new request whose prompt starts as another's, live or freed, did."""
+        parent = data.draw(st.sampled_from(self.every_hashes))
+        prefix = self.manager.cached_prefix(parent)
+        assert [self.content.get(b) for b in prefix] == parent[: len(prefix)]
         child = f"r{self.next_id}"
         self.next_id += 1
         wanted = len(prefix) * 4 + extra
@@ -229,8 +246,8 @@ class BlockManagerMachine(RuleBasedStateMachine):
         if self.manager.allocate(child, wanted, prefix):
             assert self.manager.block_table(child)[: len(prefix)] == tuple(prefix)
             assert free_before - self.manager.num_free_blocks == needed
-            self.num_tokens[child] = wanted
-            self.hashes[child] = self.hashes[parent][: len(prefix)] + self.fresh_hashes()
+            self.add(child, wanted, parent[: len(prefix)] + self.fresh_hashes())
+            self.handed_out(child, tuple(prefix))
         else:
             assert needed > free_before
             assert not self.manager.has_request(child)
@@ -266,10 +283,20 @@ class BlockManagerMachine(RuleBasedStateMachine):
             assert self.manager.ref_count(block_id) == holders.get(block_id, 0)
             if self.manager.is_evictable(block_id):
                 assert not holders.get(block_id)
-        held_or_evictable = set(holders) | {
-            b for b in range(self.manager.num_blocks) if self.manager.is_evictable(b)
-        }
-        assert self.manager.num_cached_blocks <= len(held_or_evictable)
+                assert self.manager.cached_hash(block_id) is not None
+            elif not holders.get(block_id):  # free and empty
+                assert self.manager.cached_hash(block_id) is None
+
+    @invariant()
+    def a_cached_block_holds_what_its_hash_says(self) -> None:
+        cached = {}
+        for block_id in range(1, self.manager.num_blocks):
+            block_hash = self.manager.cached_hash(block_id)
+            if block_hash is not None:
+                assert self.content.get(block_id) == block_hash
+                assert self.manager.cached_prefix([block_hash]) == [block_id]
+                cached[block_hash] = block_id
+        assert self.manager.num_cached_blocks == len(cached)
 
 
 BlockManagerMachine.TestCase.settings = settings(max_examples=200, stateful_step_count=40)

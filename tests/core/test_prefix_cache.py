@@ -154,3 +154,19 @@ def test_scheduler_caches_generated_blocks_for_the_next_turn() -> None:
     # The last output token was sampled, never computed: blocks 0-1 (8 tokens) and block 2
     # (tokens 8-11) were written; token 12 was not.
     assert turn2.num_cached_tokens == 12
+
+
+def test_scheduler_preempts_no_paused_request_whose_blocks_others_hold() -> None:
+    s = scheduler(num_blocks=8, max_num_batched_tokens=64)  # 7 usable
+    s.add_request(request("running", [*PROMPT[:12], 1], max_tokens=50))
+    step(s)  # 4 blocks, the first 3 cached
+    s.add_request(request("paused", [*PROMPT[:12], 2], max_tokens=50))
+    step(s)  # shares the 3, 1 of its own
+    paused = s.requests["paused"]
+    s.pause(paused, now=0.0)
+    assert s.block_manager.num_free_blocks == 2
+    # 4 blocks wanted; preempting the paused request would free its 1 own block only.
+    s.add_request(request("waiting", list(range(300, 316)), max_tokens=50))
+    assert shape(step(s)) == {"running": 1}
+    assert paused.status is RequestStatus.RUNNING
+    assert s.num_preemptions == 0
