@@ -54,7 +54,8 @@ async def main(args: argparse.Namespace) -> int:
                         reason = pb.FinishReason.Name(final.finish_reason)
                         print(
                             f"[{reason.removeprefix('FINISH_REASON_').lower()}: "
-                            f"{final.usage.prompt_tokens} prompt + "
+                            f"{final.usage.prompt_tokens} prompt "
+                            f"({final.usage.cached_tokens} of them cached) + "
                             f"{final.usage.completion_tokens} generated tokens, "
                             f"first token after {final.timings.ttft_ms:.0f} ms, "
                             f"{final.timings.e2e_ms:.0f} ms in all]",
