@@ -29,6 +29,7 @@ from loom.engine.engine import Engine
 from loom.model.loader import ModelConfig
 from loom.server import health_probe
 from loom.server.config import ServerConfig
+from loom.server.metrics import JsonFormatter
 from loom.server.server import LoomServer
 
 T = TypeVar("T")
@@ -119,6 +120,9 @@ def serve(args: argparse.Namespace) -> int:
     engine = Engine(settings_from(args, EngineConfig), model.load)
     config = settings_from(args, ServerConfig)
     logging.getLogger().setLevel(config.log_level.upper())
+    if config.log_format == "json":
+        for handler in logging.getLogger().handlers:
+            handler.setFormatter(JsonFormatter())
     server = LoomServer(engine, config)
     trio.run(server.run)
     return server.exit_code

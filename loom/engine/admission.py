@@ -63,6 +63,7 @@ class Admission:
         # truncation transformers resets around each call, so two at once can collide.
         self.tokenizers = trio.CapacityLimiter(1)
         self.done = False  # the channel is closed and every submission in it handled
+        self.on_refused: Callable[[Exception], None] = lambda exc: None  # metrics
 
     @classmethod
     def for_model(
@@ -153,7 +154,7 @@ class Admission:
             token_ids = await trio.to_thread.run_sync(tokenize, limiter=self.tokenizers)
         except Exception as exc:  # invalid, or a tokenizer failure
             if self.handled(submission):
-                submission.stream.fail(exc)
+                self.refuse(submission, exc)
             return
         self.admit_tokens(submission, lambda: token_ids, admit)
 
@@ -173,10 +174,14 @@ class Admission:
             self.check_backlog(request.num_prompt_tokens)
         except Exception as exc:  # invalid or overloaded
             if self.handled(submission):
-                submission.stream.fail(exc)
+                self.refuse(submission, exc)
             return
         if self.handled(submission):  # not aborted meanwhile
             admit(submission, request)
+
+    def refuse(self, submission: Submission, exc: Exception) -> None:
+        submission.stream.fail(exc)
+        self.on_refused(exc)
 
     def handled(self, submission: Submission) -> bool:
         """Done with a submission: whether it was still pending (not aborted, not stopped)."""

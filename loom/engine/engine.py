@@ -16,21 +16,24 @@
 The stepping loop owns all request state between steps. Aborts and resumes from consumers run
 in the trio thread and take effect at once; a request finished while its step runs keeps its
 finish. However `run` ends (drain, cancel or crash) every live request ends with an error and its
-blocks are freed.
+blocks are freed. Steps, tokens, ended requests and refusals are counted in `EngineMetrics`
+(loom/engine/metrics.py), and each ended request logs a line.
 """
 
 from __future__ import annotations
 
 import enum
 import logging
+import time
 from collections.abc import AsyncIterator, Callable
 from contextlib import aclosing, asynccontextmanager
+from functools import partial
 
 import trio
 
 from loom.core.block_manager import BlockManager
 from loom.core.config import CacheConfig
-from loom.core.errors import EngineDeadError
+from loom.core.errors import EngineDeadError, EngineOverloadedError, InvalidRequestError
 from loom.core.output_processor import OutputProcessor
 from loom.core.prompt import Prompt
 from loom.core.request import Request, RequestStatus
@@ -40,6 +43,7 @@ from loom.core.scheduler import Scheduler
 from loom.core.step import SchedulerOutput
 from loom.engine.admission import Admission, Submission
 from loom.engine.config import EngineConfig
+from loom.engine.metrics import EngineMetrics, log_request
 from loom.engine.request_stream import RequestStream
 from loom.engine.stats import EngineStats, ModelInfo
 from loom.model.loader import LoadedModel
@@ -75,6 +79,7 @@ class Engine:
         self.streams: dict[str, RequestStream] = {}  # admitted, unfinished requests
         self.wakeup = trio.Event()
         self.limiter = trio.CapacityLimiter(1)
+        self.metrics = EngineMetrics()
 
     async def run(self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
         """Load the model, allocate the KV pool, then serve until drained, cancelled or crashed."""
@@ -107,6 +112,12 @@ class Engine:
         self.admission = Admission.for_model(self.config, loaded, runner, self.scheduler)
         self.outputs = OutputProcessor(loaded.tokenizer)
         self.model_name = loaded.name
+        self.admission.on_refused = self.metrics.refused
+        # A scrape, in its own thread, reads the stats in this one.
+        token = trio.lowlevel.current_trio_token()
+        self.metrics.opened(
+            loaded.name, partial(trio.from_thread.run_sync, self.stats, trio_token=token)
+        )
         self.loaded = True
         if self.state is EngineState.LOADING:
             self.state = EngineState.SERVING
@@ -127,17 +138,20 @@ class Engine:
         engine's own. Raises at once EngineDeadError when the engine is not serving,
         InvalidRequestError for a prompt too large, EngineOverloadedError when the queue is full;
         later refusals (after tokenising) end the stream with the error."""
-        if self.state is not EngineState.SERVING:
-            raise EngineDeadError(self.refusal())
-        sampling = sampling or SamplingParams()
-        return self.admission.submit(
-            prompt,
-            sampling,
-            deadline=deadline,
-            cache_salt=cache_salt,
-            abort=self.abort,
-            resume=self.resume,
-        )
+        try:
+            if self.state is not EngineState.SERVING:
+                raise EngineDeadError(self.refusal())
+            return self.admission.submit(
+                prompt,
+                sampling or SamplingParams(),
+                deadline=deadline,
+                cache_salt=cache_salt,
+                abort=self.abort,
+                resume=self.resume,
+            )
+        except (EngineDeadError, InvalidRequestError, EngineOverloadedError) as exc:
+            self.metrics.refused(exc)
+            raise
 
     @asynccontextmanager
     async def generate(
@@ -164,6 +178,7 @@ class Engine:
             return
         if self.admission.abort(request_id):  # not admitted yet: the admission task drops it
             self.outputs.finished[FinishReason.ABORTED] += 1
+            self.metrics.cancelled()
             return
         request = self.scheduler.requests.get(request_id)
         if request is not None:
@@ -223,9 +238,11 @@ class Engine:
                     await self.wakeup.wait()
 
     async def step(self, output: SchedulerOutput) -> None:
+        start = time.perf_counter()
         result = await trio.to_thread.run_sync(
             self.runner.execute_model, output, limiter=self.limiter, abandon_on_cancel=False
         )
+        self.metrics.stepped(len(output.sequences), time.perf_counter() - start)
         now = trio.current_time()
         for request, logprobs in self.scheduler.update(output, result, now):
             self.publish(request, logprobs, now)
@@ -233,6 +250,7 @@ class Engine:
     def publish(self, request: Request, logprobs: Logprobs | None, now: float) -> None:
         """Send a request's new token; a stop string in its text finishes it."""
         delta = self.outputs.new_token(request, logprobs)
+        self.metrics.token(request, now)
         if delta.finished:  # a stop string
             self.scheduler.finish(request, RequestStatus.FINISHED_STOP_SEQUENCE)
         if request.finished:
@@ -250,6 +268,8 @@ class Engine:
 
     def end_stream(self, request: Request, now: float, delta: RequestOutput | None = None) -> None:
         final = self.outputs.final(request, now, delta)
+        self.metrics.ended(request, now)
+        log_request(request, final)
         self.streams.pop(request.request_id).push(final)
 
     def stop(self, reason: str) -> None:

@@ -29,3 +29,11 @@ class ServerConfig:
     log_level: str = setting(
         "info", "how much to log", choices=("debug", "info", "warning", "error")
     )
+    log_format: str = setting(
+        "text", "log lines as text, or one JSON object each", choices=("text", "json")
+    )
+    metrics_port: int | None = setting(
+        None,
+        "serve Prometheus metrics at http://HOST:PORT/metrics (0 picks a free port)",
+        check=in_range(0, 65535),
+    )

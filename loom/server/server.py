@@ -15,6 +15,7 @@ engine crash fails every live stream with UNAVAILABLE and the process exits non-
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import signal
 
@@ -23,6 +24,7 @@ import trio
 from loom.engine.engine import Engine, EngineState
 from loom.server.config import ServerConfig
 from loom.server.grpc_server import GrpcServer
+from loom.server.metrics import metrics_served
 
 log = logging.getLogger(__name__)
 
@@ -35,12 +37,21 @@ class LoomServer:
         self.engine_scope = trio.CancelScope()
         self.listening = trio.Event()  # `port` is bound (the model may still be loading)
         self.port: int | None = None
+        self.metrics_port: int | None = None  # bound, with `metrics_port` set
         self.engine_done = trio.Event()
         self.draining = False
         self.drain_deadline: float | None = None
         self.exit_code = 0
 
     async def run(self, *, task_status: trio.TaskStatus[int] = trio.TASK_STATUS_IGNORED) -> None:
+        with contextlib.ExitStack() as stack:
+            if self.config.metrics_port is not None:
+                self.metrics_port = stack.enter_context(
+                    metrics_served(self.engine, self.config.host, self.config.metrics_port)
+                )
+            await self.serve(task_status)
+
+    async def serve(self, task_status: trio.TaskStatus[int]) -> None:
         async with trio.open_nursery() as nursery:
             self.port = port = await nursery.start(self.grpc.run)
             self.listening.set()
