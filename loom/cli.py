@@ -27,6 +27,7 @@ from loom.bench import step as bench_step
 from loom.engine.config import EngineConfig
 from loom.engine.engine import Engine
 from loom.model.loader import ModelConfig
+from loom.model.sim import SimRunner, is_sim, load_sim
 from loom.server import health_probe
 from loom.server.config import ServerConfig
 from loom.server.metrics import JsonFormatter
@@ -117,7 +118,12 @@ def settings_from(args: argparse.Namespace, config: type[T]) -> T:
 
 def serve(args: argparse.Namespace) -> int:
     model = settings_from(args, ModelConfig)
-    engine = Engine(settings_from(args, EngineConfig), model.load)
+    engine_config = settings_from(args, EngineConfig)
+    if model.model is not None and is_sim(model.model):
+        sim = load_sim(model.model)  # a bad parameter fails here, named
+        engine = Engine(engine_config, lambda: sim, make_runner=SimRunner)
+    else:
+        engine = Engine(engine_config, model.load)
     config = settings_from(args, ServerConfig)
     logging.getLogger().setLevel(config.log_level.upper())
     if config.log_format == "json":

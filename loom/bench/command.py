@@ -21,6 +21,7 @@ from loom.bench.serving import launched_server
 from loom.core.setting import at_least
 from loom.model.linear import METHODS
 from loom.model.loader import LoadedModel, default_model_path, load_model
+from loom.model.sim import is_sim, load_sim
 
 
 def add_parser(commands: Any) -> argparse.ArgumentParser:
@@ -162,8 +163,13 @@ def run(args: argparse.Namespace) -> int:
         raise ValueError("--compare-prefix-caching launches both servers; drop --address")
     if args.llama_server is not None:
         check_llama_server(args.llama_server, gguf_of(args))
-    loaded = load_model(args.model, dtype=torch.float32, device=torch.device("cpu"))
-    pad = loaded.tokenizer.pad_token_id or loaded.tokenizer.eos_token_id or 0
+    if is_sim(args.model):  # its prompts are random token ids
+        if args.baseline or args.llama_server:
+            raise ValueError("--baseline and --llama-server need a real model, not sim")
+        loaded, pad = load_sim(args.model), 0
+    else:
+        loaded = load_model(args.model, dtype=torch.float32, device=torch.device("cpu"))
+        pad = loaded.tokenizer.pad_token_id or loaded.tokenizer.eos_token_id or 0
     with server_address(args) as (host, port), llama_server(args, concurrencies) as llama:
         try:
             results = [

@@ -53,10 +53,16 @@ class Workload:
 def make_workload(
     tokenizer: Any, num_prompts: int, input_len: int, output_len: int, seed: int
 ) -> Workload:
-    """Distinct prompts of exactly `input_len` tokens: numbered texts of random words."""
+    """Distinct prompts of exactly `input_len` tokens: numbered texts of random words; without
+    a tokenizer (the simulated model), random token ids below 1000, the first one numbering
+    the prompt."""
     rng = random.Random(seed)
     prompts = []
     for i in range(num_prompts):
+        if tokenizer is None:
+            rest = (rng.randrange(1, 1000) for _ in range(input_len - 1))
+            prompts.append((1000 + i, *rest)[:input_len])
+            continue
         text = f"Story {i}: " + " ".join(rng.choice(WORDS) for _ in range(2 * input_len))
         ids = tokenizer.encode(text)[:input_len]
         if len(ids) < input_len:
@@ -258,10 +264,13 @@ class ServerWatch:
 @contextmanager
 def launched_server(serve_args: list[str]) -> Iterator[int]:
     """`loom serve --port 0 ...` in a child process; yields its port once it serves."""
+    # Its port comes from its INFO line "serving on HOST:PORT": the log level stays info.
     command = [sys.executable, "-m", "loom", "serve", "--port", "0", *serve_args]
+    command += ["--log-level", "info"]
     process = subprocess.Popen(command, stderr=subprocess.PIPE, text=True)
+    assert process.stderr is not None
+    reader = threading.Thread(target=process.stderr.read, daemon=True)  # keeps the pipe flowing
     try:
-        assert process.stderr is not None
         port = None
         for line in process.stderr:
             if match := re.search(r"serving on [\w.:\[\]]+:(\d+)", line):
@@ -269,7 +278,7 @@ def launched_server(serve_args: list[str]) -> Iterator[int]:
                 break
         if port is None:
             raise RuntimeError(f"loom serve exited with {process.wait()} before serving")
-        threading.Thread(target=process.stderr.read, daemon=True).start()
+        reader.start()
         yield port
     finally:
         process.terminate()
@@ -277,3 +286,7 @@ def launched_server(serve_args: list[str]) -> Iterator[int]:
             process.wait(timeout=30)
         except subprocess.TimeoutExpired:
             process.kill()
+            process.wait()
+        if reader.is_alive():
+            reader.join(timeout=10)  # the pipe ends with the process
+        process.stderr.close()

@@ -89,7 +89,7 @@ class Scheduler:
             if request.paused or request.status is not RequestStatus.RUNNING:
                 continue  # paused, or preempted earlier in this loop
             num_new = min(request.num_tokens - request.num_computed_tokens, budget)
-            if self.reserve(request, num_new, [r for r, _ in chosen]):
+            if self.reserve(request, num_new, chosen):
                 chosen.append((request, num_new))
                 budget -= num_new
         if self.num_preemptions == num_preemptions:
@@ -101,14 +101,14 @@ class Scheduler:
                 request.first_scheduled_time = now
         return SchedulerOutput(sequences=tuple(self.scheduled(r, n) for r, n in chosen))
 
-    def reserve(self, request: Request, num_new: int, keep: list[Request]) -> bool:
-        """Blocks for `num_new` more tokens of a running request, preempting others if need be.
-
-        False when the request itself had to be preempted."""
+    def reserve(self, request: Request, num_new: int, chosen: list[tuple[Request, int]]) -> bool:
+        """Blocks for `num_new` more tokens of a running request, preempting others (not those
+        already `chosen` for this step) if need be. False when the request itself had to be
+        preempted."""
         while not self.block_manager.allocate(
             request.request_id, request.num_computed_tokens + num_new
         ):
-            victim = self.pick_victim(exclude=keep)
+            victim = self.pick_victim(exclude=[r for r, _ in chosen])
             self.preempt(victim)
             if victim is request:
                 return False
@@ -134,8 +134,9 @@ class Scheduler:
 
     def admit_waiting(self, chosen: list[tuple[Request, int]], budget: int) -> None:
         bm = self.block_manager
+        num_active = self.num_active()  # counted once: this loop may see thousands waiting
         for request in list(self.waiting):
-            if budget == 0 or self.num_active() >= self.config.max_num_seqs:
+            if budget == 0 or num_active >= self.config.max_num_seqs:
                 return
             if request.paused:
                 continue  # preempted while its consumer was not reading: wait for a resume
@@ -161,11 +162,14 @@ class Scheduler:
             self.running.append(request)
             chosen.append((request, num_new))
             budget -= num_new
+            num_active += 1
 
     def make_room(self, request_id: str, num_tokens: int, cached: list[int]) -> bool:
         """Whether blocks for `num_tokens` of a waiting request (with its `cached` prefix) are
         free, after preempting paused requests if that frees enough (and only then)."""
         bm = self.block_manager
+        if bm.num_blocks_needed(request_id, num_tokens, cached) <= bm.num_free_blocks:
+            return True  # the common case, without looking through the running requests
         paused = [r for r in self.running if r.paused]
         freeable = self.freeable(paused, cached)
         if bm.num_blocks_needed(request_id, num_tokens, cached) > bm.num_free_blocks + freeable:

@@ -94,10 +94,13 @@ class EngineMetrics:
             registry=self.registry,
         )
         self.last_token: dict[str, float] = {}  # by request: when its last token came
+        # Per token: the labelled series, looked up once (`labels` takes a lock and a dict).
+        self.observe_itl: Callable[[float], None] = lambda seconds: None
 
     def opened(self, model_name: str, stats: Callable[[], EngineStats]) -> None:
         """The model is loaded: label with its name, and read the engine's gauges on scrape."""
         self.model_name = model_name
+        self.observe_itl = self.itl.labels(model_name).observe
         self.registry.register(EngineCollector(model_name, stats))
 
     def refused(self, exc: Exception) -> None:
@@ -113,7 +116,7 @@ class EngineMetrics:
     def token(self, request: Request, now: float) -> None:
         last = self.last_token.get(request.request_id)
         if last is not None:
-            self.itl.labels(self.model_name).observe(now - last)
+            self.observe_itl(now - last)
         self.last_token[request.request_id] = now
 
     def stepped(self, num_seqs: int, seconds: float) -> None:

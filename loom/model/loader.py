@@ -57,7 +57,9 @@ class ModelConfig:
     """Which model to serve, where, in what precision. Checked when made, loaded by `load`."""
 
     model: str | None = setting(
-        None, "a Hugging Face folder, hub id or GGUF file (default: SmolLM2-135M-Instruct)"
+        None,
+        "a Hugging Face folder, hub id or GGUF file (default: SmolLM2-135M-Instruct), or sim "
+        "(the simulated model: sim:step_ms=10,seq_ms=0.1,token_ms=0.02,vocab=32000,...)",
     )
     model_cache: Path | None = setting(
         None, "where converted GGUF models are kept (default: $LOOM_CACHE_DIR or ~/.cache/loom)"

@@ -72,6 +72,18 @@ def test_bench_runs_against_a_launched_server_with_the_baseline(
         assert run["loom"]["server"]["num_total_blocks"] > 0
 
 
+def test_bench_drives_the_simulated_model_with_many_streams(tmp_path: Path) -> None:
+    out = tmp_path / "bench.json"
+    command = [sys.executable, "-m", "loom", "bench", "--model", "sim:step_ms=1"]
+    command += ["--concurrency", "300", "--input-len", "8", "--output-len", "8"]
+    command += ["--serve-args=--max-num-seqs 512", "--json", str(out)]
+    result = subprocess.run(command, capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0, result.stderr[-2000:]
+    (run,) = json.loads(out.read_text())["runs"]
+    assert run["loom"]["completed"] == 300
+    assert run["loom"]["output_tokens"] == 300 * 8
+
+
 @pytest.mark.parametrize("workload", ["shared-prefix", "multi-turn"])
 def test_bench_prefix_workloads_compare_caching_on_and_off(
     workload: str, tiny_folder: Path, tmp_path: Path
