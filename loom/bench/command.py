@@ -188,7 +188,15 @@ def run(args: argparse.Namespace) -> int:
         r[side]["failed"] for r in results for side in ("loom", "caching_off") if side in r
     )
     if failed:
-        print(f"{failed} requests failed", file=sys.stderr)
+        errors = sorted(
+            {
+                e
+                for r in results
+                for s in ("loom", "caching_off")
+                for e in r.get(s, {}).get("errors", [])
+            }
+        )
+        print(f"{failed} requests failed: {'; '.join(errors[:3])}", file=sys.stderr)
     return 1 if failed or not compared else 0
 
 

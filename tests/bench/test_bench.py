@@ -76,7 +76,9 @@ def test_bench_drives_the_simulated_model_with_many_streams(tmp_path: Path) -> N
     out = tmp_path / "bench.json"
     command = [sys.executable, "-m", "loom", "bench", "--model", "sim:step_ms=1"]
     command += ["--concurrency", "300", "--input-len", "8", "--output-len", "8"]
-    command += ["--serve-args=--max-num-seqs 512", "--json", str(out)]
+    # 300 at once: over the default waiting-queue limit (256) while the first are admitted.
+    command += ["--serve-args=--max-num-seqs 512 --max-waiting-requests 1024"]
+    command += ["--json", str(out)]
     result = subprocess.run(command, capture_output=True, text=True, timeout=300)
     assert result.returncode == 0, result.stderr[-2000:]
     (run,) = json.loads(out.read_text())["runs"]
