@@ -97,7 +97,7 @@ async def many_streams(port: int, count: int) -> tuple[list[object], int]:
 
 
 def test_sim_server_holds_two_thousand_concurrent_streams() -> None:
-    serve = ["--model", "sim:step_ms=20,seq_ms=0.001,token_ms=0", "--max-num-seqs", "2048"]
+    serve = ["--model", "sim:step_ms=100,seq_ms=0.001,token_ms=0", "--max-num-seqs", "2048"]
     serve += ["--max-num-batched-tokens", "16384", "--max-waiting-requests", "4096"]
     with launched_server(serve) as port:
         outcomes, most_running = run_client(many_streams, port, STREAMS)
