@@ -184,20 +184,18 @@ def run(args: argparse.Namespace) -> int:
     if args.json:
         config = {k: v for k, v in vars(args).items() if k not in ("json", "func")}
         args.json.write_text(json.dumps({"config": config, "runs": results}, indent=2, default=str))
-    failed = sum(
-        r[side]["failed"] for r in results for side in ("loom", "caching_off") if side in r
-    )
-    if failed:
-        errors = sorted(
-            {
-                e
-                for r in results
-                for s in ("loom", "caching_off")
-                for e in r.get(s, {}).get("errors", [])
-            }
-        )
-        print(f"{failed} requests failed: {'; '.join(errors[:3])}", file=sys.stderr)
+    failed = report_failures(results)
     return 1 if failed or not compared else 0
+
+
+def report_failures(results: list[dict[str, Any]]) -> int:
+    """How many requests failed, on either server; says so, with their first errors."""
+    runs = [r[side] for r in results for side in ("loom", "caching_off") if side in r]
+    failed = sum(run["failed"] for run in runs)
+    if failed:
+        errors = sorted({error for run in runs for error in run["errors"]})
+        print(f"{failed} requests failed: {'; '.join(errors[:3])}", file=sys.stderr)
+    return int(failed)
 
 
 def compare_caching_off(
