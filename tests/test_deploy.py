@@ -112,7 +112,7 @@ def test_deploy_dockerfile_runs_loom_as_pid_1_as_a_fixed_non_root_user(dockerfil
     assert json.loads(instruction(dockerfile, "ENTRYPOINT")) == ["loom"]  # exec form
     assert instruction(dockerfile, "USER") == "${LOOM_UID}"
     assert re.search(r"^ARG LOOM_UID=(\d+)$", dockerfile, re.MULTILINE).group(1) != "0"  # type: ignore[union-attr]
-    assert instruction(dockerfile, "EXPOSE") == "50051 9090"  # gRPC, /metrics
+    assert instruction(dockerfile, "EXPOSE") == "50051 9464"  # gRPC, /metrics
     for variable in ("HOME=", "HF_HOME=", "XDG_CACHE_HOME=", "LOOM_CACHE_DIR="):
         assert variable in dockerfile
     assert "chmod -R a+rwX /var/cache/loom /home/loom" in dockerfile  # any UID can write

@@ -131,7 +131,7 @@ class Admission:
         self.send.close()
         if error is not None:
             for submission in self.pending.values():
-                submission.stream.fail(error)
+                self.refuse(submission, error)
             self.pending.clear()
 
     async def run(self, admit: Admit) -> None:

@@ -19,6 +19,7 @@ Requests that end early are counted by cause in `loom:request_aborted_total`:
 | refused_resource_exhausted | RESOURCE_EXHAUSTED at admission (queue or backlog full) |
 | refused_invalid_argument | INVALID_ARGUMENT at admission |
 | refused_unavailable | UNAVAILABLE at admission (loading, draining, stopped) |
+| refused_internal | INTERNAL at admission (a tokenizer or chat template that failed) |
 """
 
 from __future__ import annotations
@@ -26,6 +27,7 @@ from __future__ import annotations
 import logging
 from collections.abc import Callable, Iterator
 
+import trio
 from prometheus_client import CollectorRegistry, Counter, Histogram
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
@@ -104,10 +106,8 @@ class EngineMetrics:
         self.registry.register(EngineCollector(model_name, stats))
 
     def refused(self, exc: Exception) -> None:
-        for kind, cause in REFUSALS:
-            if isinstance(exc, kind):
-                self.aborted.labels(self.model_name, cause).inc()
-                return
+        cause = next((c for kind, c in REFUSALS if isinstance(exc, kind)), "refused_internal")
+        self.aborted.labels(self.model_name, cause).inc()
 
     def cancelled(self) -> None:
         """A request cancelled before it was admitted."""
@@ -148,7 +148,7 @@ class EngineCollector(Collector):
     def collect(self) -> Iterator[Metric]:
         try:
             s = self.stats()
-        except Exception:  # the engine has stopped: its gauges are gone
+        except (trio.RunFinishedError, EngineDeadError):  # stopped: its gauges are gone
             return
         label = [self.model_name]
 
