@@ -54,9 +54,11 @@ def cached_prefix(blocks: BlockManager, request: Request) -> list[int]:
 
 
 def cache_full_blocks(blocks: BlockManager, request: Request, num_computed_before: int) -> None:
-    """Offer the blocks that a step filled (its K/V written) to the prefix cache."""
-    if not blocks.enable_caching:
-        return
+    """Offer the blocks that a step filled (its K/V written) to the prefix cache. Most decode
+    steps fill none: they return at once."""
     first = num_computed_before // blocks.block_size
+    end = request.num_computed_tokens // blocks.block_size
+    if not blocks.enable_caching or end == first:
+        return
     hashes = block_hashes(request, blocks.block_size, request.num_computed_tokens)
-    blocks.cache(request.request_id, first, hashes[first:])
+    blocks.cache(request.request_id, first, hashes[first:end])
