@@ -1,5 +1,5 @@
 """`loom`: the command line: `loom serve`, `loom bench`, `loom bench-step`, `loom bench-quality`,
-`loom health`.
+`loom health`, `loom chaos`.
 
 `loom serve`'s flags are generated from the settings of the config classes (ModelConfig,
 EngineConfig with its CacheConfig and SchedulerConfig, ServerConfig), each declared once with
@@ -24,6 +24,7 @@ import trio
 from loom.bench import command as bench_command
 from loom.bench import quality as bench_quality
 from loom.bench import step as bench_step
+from loom.chaos import command as chaos_command
 from loom.engine.config import EngineConfig
 from loom.engine.engine import Engine
 from loom.model.loader import ModelConfig
@@ -50,6 +51,7 @@ def parser() -> argparse.ArgumentParser:
     bench_command.add_parser(commands)
     bench_step.add_parser(commands)
     bench_quality.add_parser(commands)
+    chaos_command.add_parser(commands)
     health_probe.add_parser(commands)
     root.formatter_class = argparse.RawDescriptionHelpFormatter
     root.epilog = serve.format_help()  # so that `loom --help` lists every flag too
@@ -144,6 +146,7 @@ def main(argv: Sequence[str] | None = None) -> None:
             "bench-step": bench_step.run,
             "bench-quality": bench_quality.run,
             "health": health_probe.run,
+            "chaos": chaos_command.run,
         }
         sys.exit(commands[args.command](args))
     except ValueError as exc:  # a bad setting: name it, no traceback

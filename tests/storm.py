@@ -1,8 +1,9 @@
 """A kill storm: many grpclib clients that leave at random points, against a running server.
 
-Each client has a connection of its own and does one of: read its stream to the end; cancel
-it (RST_STREAM) after a few messages; drop its connection mid-stream; give its call a short
-deadline; stop reading (small HTTP/2 windows) and then drop the connection. Some client
+Each client has a connection of its own and does one of (the behaviours of `loom chaos`,
+loom/chaos/clients.py): read its stream to the end; cancel it (RST_STREAM) after a few
+messages; drop its connection mid-stream, or reset it (TCP RST); give its call a short deadline;
+stop reading for a while (small HTTP/2 windows) and then read on. Some client
 processes are killed with SIGKILL mid-stream. Outcomes are counted as `kind: outcome`; from a
 healthy server every `read` client ends `ok`, none sees INTERNAL or UNKNOWN, and every block is
 free once the storm is over.
@@ -15,40 +16,13 @@ from __future__ import annotations
 import argparse
 import asyncio
 import random
-import signal
-import subprocess
-import sys
 import time
 from collections import Counter
-from typing import Any
 
-from grpclib import GRPCError
-from grpclib.client import Channel
-from grpclib.config import Configuration
-
+from loom.chaos.clients import Behaviour, Target, kill_clients, stream_once
 from loom.v1 import loom_pb2 as pb
-from loom.v1.loom_grpc import LoomStub
 
-SMALL_WINDOWS = Configuration(http2_connection_window_size=65535, http2_stream_window_size=65535)
-KINDS = ("read", "cancel", "drop", "deadline", "stop_reading")
-KILLED_CLIENT = """
-import asyncio, sys
-from grpclib.client import Channel
-from loom.v1 import loom_pb2 as pb
-from loom.v1.loom_grpc import LoomStub
-
-async def main():
-    async with Channel(sys.argv[1], int(sys.argv[2])) as channel:
-        async with LoomStub(channel).Generate.open() as stream:
-            sampling = pb.SamplingParams(temperature=0, max_tokens=400, ignore_eos=True)
-            request = pb.GenerateRequest(token_ids=pb.TokenIds(ids=[3, 4]), sampling=sampling)
-            await stream.send_message(request, end=True)
-            async for _ in stream:
-                print("token", flush=True)
-                await asyncio.sleep(0.05)
-
-asyncio.run(main())
-"""
+KINDS = ("read", "cancel", "drop", "reset", "deadline", "stop_reading")
 
 
 def request(rng: random.Random, vocab_size: int) -> pb.GenerateRequest:
@@ -61,78 +35,41 @@ def request(rng: random.Random, vocab_size: int) -> pb.GenerateRequest:
     return pb.GenerateRequest(token_ids=pb.TokenIds(ids=prompt), sampling=sampling)
 
 
-async def one_client(host: str, port: int, rng: random.Random, vocab_size: int) -> str:
-    """`kind: outcome`, the kind being what the client does."""
+async def one_client(target: Target, rng: random.Random) -> str:
+    """`kind: outcome`, the kind being what the client does (loom/chaos/clients.py)."""
     kind = rng.choice(KINDS)
-    return f"{kind}: {await behave(kind, host, port, rng, vocab_size)}"
+    message = request(rng, target.info.vocab_size)
+    return f"{kind}: {await stream_once(target, message, behaviour(kind, rng))}"
 
 
-async def behave(kind: str, host: str, port: int, rng: random.Random, vocab_size: int) -> str:
-    leave_after = rng.randint(0, 4)  # messages read before leaving
-    channel = Channel(host, port, config=SMALL_WINDOWS if kind == "stop_reading" else None)
-    try:
-        timeout = rng.uniform(0.01, 0.3) if kind == "deadline" else None
-        async with LoomStub(channel).Generate.open(timeout=timeout) as stream:
-            await stream.send_message(request(rng, vocab_size), end=True)
-            received = 0
-            async for _ in stream:
-                received += 1
-                if kind in ("cancel", "drop", "stop_reading") and received > leave_after:
-                    return await leave(kind, stream, channel, rng)
-        return "ok"
-    except GRPCError as exc:
-        return exc.status.name
-    except TimeoutError:
-        return "client deadline"
-    except Exception as exc:  # the client's own side of leaving: a reset, a closed stream
-        return type(exc).__name__
-    finally:
-        channel.close()
-
-
-async def leave(kind: str, stream: Any, channel: Channel, rng: random.Random) -> str:
-    if kind == "cancel":
-        await stream.cancel()  # RST_STREAM
-        return "cancelled"
-    if kind == "drop":
-        channel.close()  # the connection goes, mid-stream, with no RST
-        return "dropped"
-    await asyncio.sleep(rng.uniform(0.0, 0.5))  # reads nothing for a while, then goes
-    return "stopped reading"
+def behaviour(kind: str, rng: random.Random) -> Behaviour:
+    after = rng.randint(0, 4)  # messages read before leaving
+    if kind == "deadline":
+        return Behaviour(timeout=rng.uniform(0.01, 0.3))
+    if kind == "stop_reading":  # reads nothing for a while (small windows), then reads on
+        return Behaviour(leave="stop", after=after, stop_for=rng.uniform(0.0, 0.5))
+    return Behaviour(leave=None if kind == "read" else kind, after=after)
 
 
 async def storm(
     host: str, port: int, *, num_clients: int, concurrency: int, vocab_size: int, seed: int
 ) -> Counter[str]:
     """Run `num_clients` clients, `concurrency` at a time; their outcomes, counted."""
+    target = Target(host=host, port=port, info=pb.ModelInfo(vocab_size=vocab_size))
     rng = random.Random(seed)
     slots = asyncio.Semaphore(concurrency)
     outcomes = Counter[str]()
 
     async def run(client_rng: random.Random) -> None:
         async with slots:
-            outcomes[await one_client(host, port, client_rng, vocab_size)] += 1
+            outcomes[await one_client(target, client_rng)] += 1
 
     clients = [run(random.Random(rng.random())) for _ in range(num_clients)]
-    killed = asyncio.ensure_future(kill_clients(host, port, count=max(1, num_clients // 50)))
+    count = max(1, num_clients // 50)
+    killed = asyncio.ensure_future(kill_clients(target, count, max_tokens=400))
     await asyncio.gather(*clients)
     outcomes["killed process"] += await killed
     return outcomes
-
-
-async def kill_clients(host: str, port: int, *, count: int) -> int:
-    """Client processes SIGKILLed once they have read a token (or after 30 s)."""
-    command = [sys.executable, "-c", KILLED_CLIENT, host, str(port)]
-    processes = [
-        await asyncio.create_subprocess_exec(*command, stdout=subprocess.PIPE) for _ in range(count)
-    ]
-    for process in processes:
-        assert process.stdout is not None
-        await asyncio.wait_for(process.stdout.readline(), 30)
-        process.send_signal(signal.SIGKILL)
-    for process in processes:
-        await process.wait()
-    return sum(process.returncode == -signal.SIGKILL for process in processes)
 
 
 def main() -> None:

@@ -15,7 +15,16 @@ from pathlib import Path
 import pytest
 
 PACKAGE = Path(__file__).parent.parent / "loom"
-LAYERS = {"core": 0, "model": 1, "engine": 2, "server": 3, "v1": 3, "bench": 4, "cli": 4}
+LAYERS = {
+    "core": 0,
+    "model": 1,
+    "engine": 2,
+    "server": 3,
+    "v1": 3,
+    "bench": 4,
+    "chaos": 4,
+    "cli": 4,
+}
 # Third-party packages that belong to a higher layer than the key's.
 FORBIDDEN = {
     "core": {"torch", "trio", "grpclib", "asyncio", "transformers", "google"},

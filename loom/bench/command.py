@@ -17,7 +17,7 @@ import torch
 from loom.bench.llama_cpp import check_llama_server, launched_llama_server
 from loom.bench.measure import measure, measure_caching_off, report
 from loom.bench.metrics import Objectives
-from loom.bench.serving import launched_server
+from loom.bench.serving import launched_process
 from loom.core.setting import at_least
 from loom.model.linear import METHODS
 from loom.model.loader import LoadedModel, default_model_path, load_model
@@ -139,7 +139,7 @@ def server_address(args: argparse.Namespace) -> Iterator[tuple[str, int]]:
         host, _, port = args.address.rpartition(":")
         yield host or "127.0.0.1", int(port)
         return
-    with launched_server(serve_args_of(args)) as port:
+    with launched_process(serve_args_of(args)) as (port, _):
         yield "127.0.0.1", port
 
 
@@ -204,7 +204,7 @@ def compare_caching_off(
     """The same workloads on a server without prefix caching, launched once the first has
     stopped: one server at a time (a second one, idle, slowed the first measurably). False if
     it stopped answering; what the first server gave is reported all the same."""
-    with launched_server([*serve_args_of(args), "--no-enable-prefix-caching"]) as port:
+    with launched_process([*serve_args_of(args), "--no-enable-prefix-caching"]) as (port, _):
         try:
             for result in results:
                 measure_caching_off(args, loaded, goals, ("127.0.0.1", port), result)

@@ -5,11 +5,11 @@ sent as token ids; exactly `output_len` tokens generated (ignore_eos); greedy. T
 prefix caching: `shared-prefix` puts one common `prefix_len`-token text (a system prompt) before
 each distinct prompt; `multi-turn` holds `concurrency` conversations of `turns` turns, each turn
 resending the whole history (earlier prompts and replies, as token ids) plus `input_len` new
-tokens. Requests arrive
-all at once or as a Poisson process at `request_rate`, at most `concurrency` in flight, one
-channel per concurrent client. While it runs, GetServerStats is polled for KV usage and
-preemptions. With `--baseline`, the same prompts also go through transformers' `generate` in
-static batches of `concurrency` (this process, same machine, same run) for a ratio per figure.
+tokens. Requests arrive all at once or as a Poisson process at `request_rate`, at most
+`concurrency` in flight, one channel per concurrent client. While it runs, GetServerStats is
+polled for KV usage and preemptions. With `--baseline`, the same prompts also go through
+transformers' `generate` in static batches of `concurrency` (this process, same machine, same
+run) for a ratio per figure.
 """
 
 from __future__ import annotations
@@ -262,10 +262,13 @@ class ServerWatch:
 
 
 @contextmanager
-def launched_server(serve_args: list[str]) -> Iterator[int]:
-    """`loom serve --port 0 ...` in a child process; yields its port once it serves."""
+def launched_process(
+    serve_args: list[str], module: str = "loom"
+) -> Iterator[tuple[int, subprocess.Popen[str]]]:
+    """`python -m MODULE serve --port 0 ...` in a child process; yields its port, once it
+    serves, and the process (stopped with SIGTERM on the way out, unless it has exited)."""
     # Its port comes from its INFO line "serving on HOST:PORT": the log level stays info.
-    command = [sys.executable, "-m", "loom", "serve", "--port", "0", *serve_args]
+    command = [sys.executable, "-m", module, "serve", "--port", "0", *serve_args]
     command += ["--log-level", "info"]
     process = subprocess.Popen(command, stderr=subprocess.PIPE, text=True)
     assert process.stderr is not None
@@ -279,7 +282,7 @@ def launched_server(serve_args: list[str]) -> Iterator[int]:
         if port is None:
             raise RuntimeError(f"loom serve exited with {process.wait()} before serving")
         reader.start()
-        yield port
+        yield port, process
     finally:
         process.terminate()
         try:

@@ -203,7 +203,8 @@ class Engine:
 
     def model_info(self) -> ModelInfo:
         self.check_loaded()
-        return ModelInfo.of(self.model_name, self.runner, self.admission.prompts.max_model_len)
+        max_model_len = self.admission.prompts.max_model_len
+        return ModelInfo.of(self.model_name, self.runner, max_model_len, self.config)
 
     def check_loaded(self) -> None:
         if not self.loaded:

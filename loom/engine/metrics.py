@@ -109,6 +109,12 @@ class EngineMetrics:
         cause = next((c for kind, c in REFUSALS if isinstance(exc, kind)), "refused_internal")
         self.aborted.labels(self.model_name, cause).inc()
 
+    def refused_by_server(self, status: str) -> None:
+        """A request the server refused before the engine saw it (a message too large, too
+        many streams on its connection, draining, no message in time), by its gRPC status.
+        Thread-safe: the server calls it from its own thread."""
+        self.aborted.labels(self.model_name, f"refused_{status.lower()}").inc()
+
     def cancelled(self) -> None:
         """A request cancelled before it was admitted."""
         self.aborted.labels(self.model_name, "cancelled").inc()

@@ -6,6 +6,7 @@ import attrs
 
 from loom.core.output_processor import OutputProcessor
 from loom.core.scheduler import Scheduler
+from loom.engine.config import EngineConfig
 from loom.model.model_runner import ModelRunner
 
 
@@ -52,9 +53,16 @@ class ModelInfo:
     dtype: str
     device: str
     block_size: int
+    max_num_seqs: int
+    max_waiting_requests: int
+    max_waiting_tokens: int
+    output_buffer_size: int
+    stall_timeout: float
 
     @classmethod
-    def of(cls, model: str, runner: ModelRunner, max_model_len: int) -> ModelInfo:
+    def of(
+        cls, model: str, runner: ModelRunner, max_model_len: int, config: EngineConfig
+    ) -> ModelInfo:
         return cls(
             model=model,
             max_model_len=max_model_len,
@@ -62,4 +70,9 @@ class ModelInfo:
             dtype=str(runner.kv_cache_shape.dtype).removeprefix("torch."),
             device=str(runner.device),
             block_size=runner.block_size,
+            max_num_seqs=config.scheduler.max_num_seqs,
+            max_waiting_requests=config.max_waiting_requests,
+            max_waiting_tokens=config.max_waiting_tokens,
+            output_buffer_size=config.output_buffer_size,
+            stall_timeout=config.stall_timeout,
         )

@@ -115,17 +115,21 @@ class SimRunner(ModelRunner):
         return ModelRunnerOutput(
             request_ids=tuple(s.request_id for s in sampling),
             token_ids=tokens,
-            logprobs=tuple(logprobs(s, t) for s, t in zip(sampling, tokens, strict=True)),
+            logprobs=tuple(
+                logprobs(s, t, self.sim.vocab) for s, t in zip(sampling, tokens, strict=True)
+            ),
         )
 
     def token(self, seq: ScheduledSequence) -> int:
         return self.sim.next_token(seq.token_ids[-1], seq.num_computed_tokens + len(seq.token_ids))
 
 
-def logprobs(seq: ScheduledSequence, token: int) -> Logprobs | None:
-    """The chosen token is certain: log-probability 0, and the only alternative."""
+def logprobs(seq: ScheduledSequence, token: int, vocab: int) -> Logprobs | None:
+    """As from fixed logits: the chosen token the likeliest (-0.1), then the tokens after it,
+    each 1 less likely (as many as asked for: a message as large as a real model's)."""
     assert seq.sampling is not None
     if seq.sampling.params.logprobs is None:
         return None
-    chosen = TokenLogprob(token_id=token, logprob=0.0)
-    return Logprobs(chosen=chosen, top=(chosen,)[: seq.sampling.params.logprobs])
+    count = min(seq.sampling.params.logprobs, vocab)
+    top = tuple(TokenLogprob(token_id=(token + k) % vocab, logprob=-0.1 - k) for k in range(count))
+    return Logprobs(chosen=TokenLogprob(token_id=token, logprob=-0.1), top=top)

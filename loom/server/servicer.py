@@ -83,9 +83,14 @@ class LoomServicer(LoomBase):
 
     async def Generate(self, stream: GenerateStream) -> None:
         deadline = deadline_of(stream)
-        request = await self.receive(stream, deadline)
-        if self.draining:
-            raise GRPCError(Status.UNAVAILABLE, "the server is draining")
+        try:
+            request = await self.receive(stream, deadline)
+            if self.draining:
+                raise GRPCError(Status.UNAVAILABLE, "the server is draining")
+            self.check_streams(stream)
+        except GRPCError as exc:  # refused before the engine saw it: counted all the same
+            self.engine.metrics.refused_by_server(exc.status.name)
+            raise
         with self.in_flight(stream):
             await self.answer(stream, request, deadline)
 
@@ -135,18 +140,21 @@ class LoomServicer(LoomBase):
         except ClientGoneError:
             log.info("request %r: client stopped reading; stream reset", request_id)
 
-    @contextmanager
-    def in_flight(self, stream: GenerateStream) -> Iterator[None]:
-        """Count a Generate stream, in all and on its connection, where it is bounded: HTTP/2's
-        MAX_CONCURRENT_STREAMS says so too, but a client may open streams before it hears."""
-        connection = stream.peer.addr()
+    def check_streams(self, stream: GenerateStream) -> None:
+        """A connection's Generate streams are bounded: HTTP/2's MAX_CONCURRENT_STREAMS says so
+        too, but a client may open streams before it hears."""
         limit = self.config.max_streams_per_connection
-        if self.streams_per_connection[connection] >= limit:
+        if self.streams_per_connection[stream.peer.addr()] >= limit:
             raise GRPCError(
                 Status.RESOURCE_EXHAUSTED,
                 f"this connection has {limit} streams open; "
                 f"the limit is max_streams_per_connection={limit}",
             )
+
+    @contextmanager
+    def in_flight(self, stream: GenerateStream) -> Iterator[None]:
+        """Count a Generate stream, in all and on its connection."""
+        connection = stream.peer.addr()
         self.streams_per_connection[connection] += 1
         self.num_in_flight.add(1)
         try:

@@ -159,20 +159,30 @@ class GetModelInfoRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class ModelInfo(_message.Message):
-    __slots__ = ("model", "max_model_len", "vocab_size", "dtype", "device", "block_size")
+    __slots__ = ("model", "max_model_len", "vocab_size", "dtype", "device", "block_size", "max_num_seqs", "max_waiting_requests", "max_waiting_tokens", "output_buffer_size", "stall_timeout")
     MODEL_FIELD_NUMBER: _ClassVar[int]
     MAX_MODEL_LEN_FIELD_NUMBER: _ClassVar[int]
     VOCAB_SIZE_FIELD_NUMBER: _ClassVar[int]
     DTYPE_FIELD_NUMBER: _ClassVar[int]
     DEVICE_FIELD_NUMBER: _ClassVar[int]
     BLOCK_SIZE_FIELD_NUMBER: _ClassVar[int]
+    MAX_NUM_SEQS_FIELD_NUMBER: _ClassVar[int]
+    MAX_WAITING_REQUESTS_FIELD_NUMBER: _ClassVar[int]
+    MAX_WAITING_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    OUTPUT_BUFFER_SIZE_FIELD_NUMBER: _ClassVar[int]
+    STALL_TIMEOUT_FIELD_NUMBER: _ClassVar[int]
     model: str
     max_model_len: int
     vocab_size: int
     dtype: str
     device: str
     block_size: int
-    def __init__(self, model: _Optional[str] = ..., max_model_len: _Optional[int] = ..., vocab_size: _Optional[int] = ..., dtype: _Optional[str] = ..., device: _Optional[str] = ..., block_size: _Optional[int] = ...) -> None: ...
+    max_num_seqs: int
+    max_waiting_requests: int
+    max_waiting_tokens: int
+    output_buffer_size: int
+    stall_timeout: float
+    def __init__(self, model: _Optional[str] = ..., max_model_len: _Optional[int] = ..., vocab_size: _Optional[int] = ..., dtype: _Optional[str] = ..., device: _Optional[str] = ..., block_size: _Optional[int] = ..., max_num_seqs: _Optional[int] = ..., max_waiting_requests: _Optional[int] = ..., max_waiting_tokens: _Optional[int] = ..., output_buffer_size: _Optional[int] = ..., stall_timeout: _Optional[float] = ...) -> None: ...
 
 class GetServerStatsRequest(_message.Message):
     __slots__ = ()

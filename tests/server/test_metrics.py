@@ -4,10 +4,13 @@ names, types, labels, and counts that match what was sent (aborts and refusals i
 from __future__ import annotations
 
 import asyncio
+import json
+import re
 import threading
 import urllib.request
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -42,7 +45,8 @@ async def serving_metrics(
     loaded: LoadedModel, make_runner: RunnerFactory = ModelRunner
 ) -> AsyncIterator[tuple[int, int]]:
     engine = Engine(EngineConfig(), lambda: loaded, make_runner=make_runner)
-    server = LoomServer(engine, ServerConfig(port=0, metrics_port=0, drain_timeout=5))
+    config = ServerConfig(port=0, metrics_port=0, drain_timeout=5, max_request_bytes=32768)
+    server = LoomServer(engine, config)
     async with trio.open_nursery() as nursery:
         port = await nursery.start(server.run)
         assert server.metrics_port is not None
@@ -102,6 +106,9 @@ async def test_metrics_names_types_labels_and_counts_match_the_workload(
             with pytest.raises(GRPCError) as refused:
                 await in_asyncio(generate, port, greedy([1] * 20000, 5))  # over the context
             assert refused.value.status is Status.INVALID_ARGUMENT
+            with pytest.raises(GRPCError) as too_large:  # refused by the server, unread
+                await in_asyncio(generate, port, greedy([1] * 40000, 5))
+            assert too_large.value.status is Status.RESOURCE_EXHAUSTED
             await wait_all_blocks_free(port)
             types, after = await scrape(metrics_port)
 
@@ -132,6 +139,7 @@ async def test_metrics_names_types_labels_and_counts_match_the_workload(
     assert value(after, "loom:request_success_total", finished_reason="stop") == 0
     assert value(after, "loom:request_aborted_total", cause="cancelled") == 1
     assert value(after, "loom:request_aborted_total", cause="refused_invalid_argument") == 1
+    assert value(after, "loom:request_aborted_total", cause="refused_resource_exhausted") == 1
     cancelled_tokens = value(after, "loom:generation_tokens_total") - 3 * 5
     assert cancelled_tokens >= 1  # the cancelled request's, at least its first
     assert value(after, "loom:prompt_tokens_total") == 2 + 3 * 3
@@ -144,6 +152,17 @@ async def test_metrics_names_types_labels_and_counts_match_the_workload(
     assert itl == 3 * 4 + cancelled_tokens - 1
     steps = sum(v for (name, _), v in after.items() if name == "loom:step_duration_seconds_count")
     assert steps >= 5  # at least each complete request's 5 tokens' steps
+    assert dashboard_metrics() - {name for name, _ in after} == set()
+
+
+def dashboard_metrics() -> set[str]:
+    """The series the example Grafana dashboard queries (examples/grafana/)."""
+    path = Path(__file__).parents[2] / "examples" / "grafana" / "loom-dashboard.json"
+    panels = json.loads(path.read_text())["panels"]
+    exprs = [target["expr"] for panel in panels for target in panel["targets"]]
+    names = {name for expr in exprs for name in re.findall(r"loom:\w+", expr)}
+    assert len(names) > 10
+    return names
 
 
 async def test_metrics_json_logs_carry_a_line_per_request(

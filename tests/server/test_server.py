@@ -25,6 +25,7 @@ from grpclib.reflection.v1.reflection_grpc import ServerReflectionStub
 from grpclib.reflection.v1.reflection_pb2 import ServerReflectionRequest
 from transformers import AutoTokenizer
 
+from loom.chaos.clients import KILLED_CLIENT
 from loom.core.config import SchedulerConfig
 from loom.core.sampling_params import SamplingParams
 from loom.engine.config import EngineConfig
@@ -54,7 +55,6 @@ from tests.grpc_client import (
     wait_running,
 )
 from tests.server_harness import loading, serving
-from tests.storm import KILLED_CLIENT
 
 
 async def test_server_streams_carry_the_engine_tokens_for_many_concurrent_streams(
@@ -113,6 +113,9 @@ async def test_server_streams_text_for_text_and_chat_prompts(
             info = await in_asyncio(model_info, port)
             assert (info.model, info.max_model_len, info.vocab_size) == ("tiny-llama", 512, 49152)
             assert (info.dtype, info.device, info.block_size) == ("float32", "cpu", 16)
+            limits = (info.max_num_seqs, info.max_waiting_requests, info.max_waiting_tokens)
+            assert limits == (64, 256, 1 << 20)
+            assert (info.output_buffer_size, info.stall_timeout) == (64, 30.0)
 
 
 def chat(messages: list[tuple[str, str]]) -> pb.GenerateRequest:
@@ -438,7 +441,7 @@ async def test_server_frees_blocks_when_a_client_process_is_killed(tiny_chat: Lo
     expected = reference_tokens(tiny_chat.model, [9, 9], 60)
     async with serving(tiny_chat, output_buffer_size=4) as (_, port):
         with trio.fail_after(60):
-            command = [sys.executable, "-c", KILLED_CLIENT, HOST, str(port)]
+            command = [sys.executable, "-c", KILLED_CLIENT, HOST, str(port), "400"]
             client = await trio.lowlevel.open_process(command, stdout=subprocess.PIPE)
             healthy: list[int] = []
             try:

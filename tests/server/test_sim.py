@@ -10,7 +10,7 @@ import pytest
 from grpclib import GRPCError, Status
 from grpclib.client import Channel
 
-from loom.bench.serving import launched_server, server_stats
+from loom.bench.serving import launched_process, server_stats
 from loom.core.config import CacheConfig
 from loom.core.sampling_params import SamplingParams
 from loom.core.step import SamplingInput, ScheduledSequence, SchedulerOutput
@@ -99,7 +99,7 @@ async def many_streams(port: int, count: int) -> tuple[list[object], int]:
 def test_sim_server_holds_two_thousand_concurrent_streams() -> None:
     serve = ["--model", "sim:step_ms=100,seq_ms=0.001,token_ms=0", "--max-num-seqs", "2048"]
     serve += ["--max-num-batched-tokens", "16384", "--max-waiting-requests", "4096"]
-    with launched_server(serve) as port:
+    with launched_process(serve) as (port, _):
         outcomes, most_running = run_client(many_streams, port, STREAMS)
         stats = run_client(server_stats, HOST, port)
     completed = [o for o in outcomes if o == 16]

@@ -1,0 +1,231 @@
+"""The scenarios of `loom chaos`: each runs its clients against the server and says what it saw.
+
+Each scenario knows which outcomes its clients may have (loom/chaos/clients.py): any other one
+(INTERNAL, UNKNOWN, an exception a client did not expect) is a problem. Some check more: the
+overload scenario counts its refusals exactly, the deadline sweep wants its ample deadlines met,
+the slow and stopped readers measure what they cost a well-behaved client (its TTFT and ITL
+against those on the idle server: figures, never a verdict, as timing on a shared machine is).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import random
+import signal
+import statistics
+import subprocess
+import time
+from collections import Counter
+from collections.abc import Awaitable, Callable
+from typing import Any
+
+import attrs
+
+from loom.chaos.clients import (
+    Behaviour,
+    Target,
+    Timing,
+    kill_clients,
+    request,
+    stats_until,
+    stream_once,
+    timed,
+)
+from loom.v1 import loom_pb2 as pb
+
+DEADLINES = (0.001, 0.003, 0.01, 0.03, 0.1, 0.3, 1.0, 3.0, 60.0)  # the last one is ample
+PROBE = [1, 2, 3]  # the well-behaved request's prompt
+
+
+@attrs.frozen(kw_only=True)
+class Settings:
+    clients: int = 200  # per scenario (some run a fraction of them)
+    concurrency: int = 64  # clients at once
+    max_tokens: int = 32  # per request
+    overload_factor: int = 3  # the burst, in queue limits
+    stop_for: float = 1.0  # seconds a stopped reader reads nothing
+    # Tokens a stopped reader asks for, with 20 logprobs each (a few hundred bytes a message):
+    # enough to fill its 64 KiB HTTP/2 window and the server's buffer, so that it pauses.
+    stop_tokens: int = 600
+    seed: int = 0
+
+
+@attrs.define
+class Result:
+    name: str
+    clients: int = 0
+    outcomes: Counter[str] = attrs.field(factory=Counter)
+    problems: list[str] = attrs.field(factory=list)
+    figures: dict[str, float] = attrs.field(factory=dict)
+    seconds: float = 0.0
+
+    def expect(self, allowed: set[str]) -> None:
+        for outcome, count in sorted(self.outcomes.items()):
+            if outcome not in allowed:
+                self.problems.append(f"{count} clients ended {outcome}")
+
+
+@attrs.define
+class Run:
+    """What a scenario works with."""
+
+    target: Target
+    settings: Settings
+    baseline: Timing  # the well-behaved request on the idle server
+    on_client: Callable[[], object] = lambda: None  # the progress bar
+    server: subprocess.Popen[str] | None = None  # when chaos launched the server itself
+
+    def message(self, rng: random.Random, max_tokens: int = 0, prompt_len: int = 0) -> Any:
+        vocab = self.target.info.vocab_size
+        return request(rng, vocab, max_tokens or self.settings.max_tokens, prompt_len)
+
+    def probe(self) -> Any:
+        return probe()
+
+    async def crowd(
+        self, result: Result, calls: list[tuple[Any, Behaviour]], *, at_once: bool = False
+    ) -> None:
+        """Run the calls, `concurrency` at a time (or all `at_once`), counting their outcomes
+        into `result`."""
+        slots = asyncio.Semaphore(len(calls) if at_once else self.settings.concurrency)
+
+        async def one(message: Any, behaviour: Behaviour) -> None:
+            async with slots:
+                result.outcomes[await stream_once(self.target, message, behaviour)] += 1
+                self.on_client()
+
+        result.clients += len(calls)
+        await asyncio.gather(*(one(m, b) for m, b in calls))
+
+    async def beside(self, result: Result, work: Awaitable[None]) -> None:
+        """`work`, and a well-behaved client once it is under way: its cost in figures."""
+        task = asyncio.ensure_future(work)
+        await asyncio.sleep(0.2)
+        during = await timed(self.target, self.probe())
+        await task
+        result.figures.update(cost(self.baseline, during))
+
+
+def probe() -> Any:
+    """The well-behaved request: greedy, 16 tokens, EOS ignored."""
+    sampling = pb.SamplingParams(temperature=0, max_tokens=16, ignore_eos=True)
+    return pb.GenerateRequest(token_ids=pb.TokenIds(ids=PROBE), sampling=sampling)
+
+
+def cost(idle: Timing, during: Timing) -> dict[str, float]:
+    """A well-behaved client's TTFT and mean ITL beside the crowd, as multiples of the idle's."""
+    figures = {"ttft_s": during.ttft, "ttft_vs_idle": during.ttft / idle.ttft}
+    if during.itl and idle.itl:
+        mean = statistics.fmean(during.itl)
+        figures |= {"itl_s": mean, "itl_vs_idle": mean / statistics.fmean(idle.itl)}
+    return figures
+
+
+async def kill(run: Run) -> Result:
+    result = Result("kill")
+    count = max(1, run.settings.clients // 20)
+    killed = await kill_clients(run.target, count, max_tokens=400)
+    result.clients = count
+    result.outcomes["killed"] = killed
+    if killed != count:
+        result.problems.append(f"{count - killed} of {count} client processes did not die so")
+    return result
+
+
+async def cancel(run: Run) -> Result:
+    rng, result = random.Random(run.settings.seed), Result("cancel")
+    calls = [
+        (run.message(rng), Behaviour(leave="cancel", after=rng.randint(0, 4)))
+        for _ in range(run.settings.clients)
+    ]
+    await run.crowd(result, calls)
+    result.expect({"cancelled", "ok"})
+    return result
+
+
+async def reset(run: Run) -> Result:
+    rng, result = random.Random(run.settings.seed + 1), Result("reset")
+    calls = [
+        (run.message(rng), Behaviour(leave=rng.choice(["drop", "reset"]), after=rng.randint(0, 4)))
+        for _ in range(run.settings.clients)
+    ]
+    await run.crowd(result, calls)
+    result.expect({"dropped", "reset", "ok"})
+    return result
+
+
+async def slow_readers(run: Run) -> Result:
+    rng, result = random.Random(run.settings.seed + 2), Result("slow-readers")
+    calls = [
+        (run.message(rng), Behaviour(interval=rng.uniform(0.02, 0.1)))
+        for _ in range(max(1, run.settings.clients // 4))
+    ]
+    await run.beside(result, run.crowd(result, calls))
+    result.expect({"ok"})
+    return result
+
+
+async def stopped_readers(run: Run) -> Result:
+    """Readers that stop (for `stop_for` s, small windows), then read on. Past the server's
+    stall_timeout it ends them: RESOURCE_EXHAUSTED, or, when its send to the full window is
+    what it gives up, a reset stream (StreamTerminatedError)."""
+    rng, result = random.Random(run.settings.seed + 3), Result("stopped-readers")
+    behaviour = Behaviour(leave="stop", stop_for=run.settings.stop_for)
+    tokens = min(run.settings.stop_tokens, run.target.info.max_model_len - 24)
+    calls = []
+    for _ in range(max(1, run.settings.clients // 4)):
+        message = run.message(rng, tokens)
+        message.sampling.logprobs = 20
+        calls.append((message, attrs.evolve(behaviour, after=rng.randint(0, 2))))
+    await run.beside(result, run.crowd(result, calls))
+    result.expect({"ok", "RESOURCE_EXHAUSTED", "StreamTerminatedError"})
+    return result
+
+
+async def deadlines(run: Run) -> Result:
+    """Deadlines swept from far too short to ample: ample ones are met."""
+    rng, result = random.Random(run.settings.seed + 4), Result("deadlines")
+    sweep = [
+        DEADLINES[i % len(DEADLINES)] for i in range(max(len(DEADLINES), run.settings.clients))
+    ]
+    ample = Result("ample")
+    calls = [(run.message(rng), Behaviour(timeout=t)) for t in sweep if t < DEADLINES[-1]]
+    ample_calls = [(run.message(rng), Behaviour(timeout=t)) for t in sweep if t == DEADLINES[-1]]
+    await asyncio.gather(run.crowd(result, calls), run.crowd(ample, ample_calls))
+    result.expect({"ok", "DEADLINE_EXCEEDED", "client timeout"})
+    for outcome, count in ample.outcomes.items():
+        if outcome != "ok":
+            result.problems.append(
+                f"{count} clients with an ample {DEADLINES[-1]:g} s deadline ended {outcome}"
+            )
+    result.outcomes += ample.outcomes
+    result.clients += ample.clients
+    return result
+
+
+async def drain(run: Run) -> Result:
+    """SIGTERM while streams are in flight: they complete, a new call is refused UNAVAILABLE,
+    the process exits 0 (only against a server chaos launched)."""
+    rng, result = random.Random(run.settings.seed + 5), Result("drain")
+    assert run.server is not None
+    calls = [(run.message(rng), Behaviour()) for _ in range(max(1, run.settings.clients // 4))]
+    crowd = asyncio.ensure_future(run.crowd(result, calls))
+    await stats_until(run.target, lambda stats: stats.num_running, 60)
+    run.server.send_signal(signal.SIGTERM)
+    await asyncio.sleep(0.2)
+    late = await stream_once(run.target, run.message(rng), Behaviour(timeout=10))
+    await crowd
+    result.expect({"ok"})
+    if late not in ("UNAVAILABLE", "ConnectionRefusedError"):
+        result.problems.append(f"a call made while draining ended {late}, not UNAVAILABLE")
+    code = await asyncio.to_thread(run.server.wait, 60)
+    if code != 0:
+        result.problems.append(f"the server exited {code} after SIGTERM, not 0")
+    return result
+
+
+async def timed_scenario(run: Run, scenario: Callable[[Run], Awaitable[Result]]) -> Result:
+    start = time.perf_counter()
+    result = await scenario(run)
+    result.seconds = time.perf_counter() - start
+    return result

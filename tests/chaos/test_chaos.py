@@ -1,0 +1,64 @@
+"""`loom chaos` as a user runs it: a process of its own against a launched server process.
+
+Against a healthy server with the simulated model every scenario passes (exit 0), with the
+server's stall timeout short enough that the stopped readers are ended by it. Against a server
+that leaks a KV block for each aborted request (tests/chaos/leaky_server.py) it exits 1 and
+names the blocks held: the tool can fail.
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+from loom.bench.serving import launched_process
+from loom.chaos.command import SCENARIOS
+
+SIM = "--model sim:step_ms=1"
+CHAOS = [sys.executable, "-m", "loom", "chaos", "--clients", "40", "--json"]
+
+
+def chaos(*args: str) -> tuple[int, dict]:  # type: ignore[type-arg]
+    result = subprocess.run(
+        [*CHAOS, *args], capture_output=True, text=True, timeout=600, check=False
+    )
+    assert result.returncode in (0, 1), result.stderr[-3000:]
+    return result.returncode, json.loads(result.stdout)
+
+
+def test_chaos_passes_a_healthy_server_in_every_scenario() -> None:
+    code, report = chaos("--serve", f"{SIM} --stall-timeout 0.5", "--stop-for", "3")
+    by_name = {s["name"]: s for s in report["scenarios"]}
+    assert list(by_name) == list(SCENARIOS)
+    problems = {name: s["problems"] for name, s in by_name.items() if s["problems"]}
+    assert not problems, json.dumps(problems)
+    assert (code, report["ok"]) == (0, True)
+    assert by_name["kill"]["outcomes"] == {"killed": 2}
+    assert by_name["cancel"]["outcomes"] == {"cancelled": 40}
+    stopped = by_name["stopped-readers"]["outcomes"]
+    assert sum(stopped.values()) == 10
+    assert "ok" not in stopped  # all ended by the stall timer
+    overload = by_name["overload"]["figures"]
+    (fillers, burst, refused, admitted) = overload.values()
+    assert (fillers, burst) == (64, 768)  # 3x the queue of 256
+    assert 512 - admitted <= refused <= 512  # exactly 512 unless a filler paused
+    outcomes = by_name["overload"]["outcomes"]
+    assert outcomes == {"released": 64, "RESOURCE_EXHAUSTED": refused, "ok": 768 - refused}
+    assert by_name["deadlines"]["outcomes"]["ok"] >= 5  # the ample ones at least
+    assert by_name["drain"]["outcomes"] == {"ok": 10}
+
+
+def test_chaos_fails_against_a_server_that_leaks_a_block_per_abort() -> None:
+    with launched_process(SIM.split(), module="tests.chaos.leaky_server") as (port, _):
+        scenarios = ["--scenarios", "cancel,slow-readers", "--settle-timeout", "3"]
+        code, report = chaos("--address", f"127.0.0.1:{port}", *scenarios)
+    assert code == 1
+    assert not report["ok"]
+    cancel, slow = report["scenarios"]
+    assert cancel["outcomes"] == {"cancelled": 40}  # the clients saw nothing wrong
+    (problem,) = cancel["problems"]
+    assert problem.startswith("not idle 3 s after: "), problem
+    assert problem.endswith(" blocks held"), problem
+    assert "0 running, 0 waiting, 0 paused, 40 of " in problem  # one block per cancel
+    assert slow["problems"] == [problem]  # the same 40 blocks: slow readers leak nothing
