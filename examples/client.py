@@ -5,6 +5,12 @@
 
 By default the prompt is sent as a chat message (the model's chat template applies); `--raw`
 sends it as plain text. A grpclib client: one channel, one server-streaming call.
+
+Behind nginx (deploy/nginx/), `--routing-key ID` sends the `loom-routing-key` metadata header:
+calls with the same key (say, one conversation's turns) reach the same replica, where their
+shared prefix is cached.
+
+    python examples/client.py --routing-key conversation-42 "What is the capital of France?"
 """
 
 from __future__ import annotations
@@ -43,7 +49,8 @@ async def main(args: argparse.Namespace) -> int:
     async with Channel(args.host, args.port) as channel:
         stub = LoomStub(channel)
         try:
-            async with stub.Generate.open(timeout=args.timeout) as stream:
+            metadata = {"loom-routing-key": args.routing_key} if args.routing_key else None
+            async with stub.Generate.open(timeout=args.timeout, metadata=metadata) as stream:
                 await stream.send_message(request_from(args), end=True)
                 async for response in stream:
                     if response.HasField("delta"):
@@ -73,6 +80,7 @@ if __name__ == "__main__":
     parser.add_argument("--host", default="127.0.0.1")
     parser.add_argument("--port", type=int, default=50051)
     parser.add_argument("--raw", action="store_true", help="send plain text, not a chat message")
+    parser.add_argument("--routing-key", default=None, help="loom-routing-key, for nginx")
     parser.add_argument("--system", default=None, help="a system message (chat mode)")
     parser.add_argument("--max-tokens", type=int, default=128)
     parser.add_argument("--temperature", type=float, default=0.0)

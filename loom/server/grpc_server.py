@@ -119,14 +119,26 @@ class GrpcServer:
     def set_serving(self, serving: bool) -> None:
         self.in_loop(lambda: self.health.set(serving))
 
+    def announce_drain(self) -> None:
+        """Health says NOT_SERVING (on the connections still open), the port stops listening
+        at once (a load balancer's next connection goes to another replica), idle connections
+        are told to go away, and from now on a connection's last stream ends with a PING (so
+        that a proxy does not keep the connection: `GrpclibServer.announce_drain`). Calls
+        still arriving are answered: their clients sent them before they heard."""
+
+        def announce() -> None:
+            self.health.set(False)
+            if self.server is not None:
+                self.server.announce_drain()
+
+        self.in_loop(announce)
+
     def begin_drain(self) -> None:
-        """New calls get UNAVAILABLE and health says NOT_SERVING (probes see it: the port still
-        listens until `stop_listening`); idle connections get a GOAWAY and are closed."""
+        """New calls get UNAVAILABLE; idle connections get a GOAWAY and are closed."""
 
         def drain() -> None:
             if self.servicer is not None:
                 self.servicer.draining = True
-            self.health.set(False)
             if self.server is not None:
                 self.server.close_idle_connections()
 

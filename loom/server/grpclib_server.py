@@ -16,8 +16,9 @@ Everything here runs in the server's asyncio thread.
 from __future__ import annotations
 
 import asyncio
+import socket
 import struct
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Iterator
 from typing import Any
 
 from google.protobuf.message import DecodeError
@@ -27,9 +28,12 @@ from grpclib.protocol import H2Protocol
 from grpclib.server import Handler, Server, Stream
 from h2.connection import ConnectionInputs, H2Connection
 from h2.settings import SettingCodes
-from hyperframe.frame import SettingsFrame
+from hyperframe.frame import GoAwayFrame, SettingsFrame
 
 from loom.server.bridge import Count
+
+# A peer whose receive window is this large takes whatever arrives: a proxy (nginx: 2^31-1).
+PROXY_WINDOW = 1 << 30
 
 
 class TrackedProtocol(asyncio.Protocol):
@@ -39,12 +43,13 @@ class TrackedProtocol(asyncio.Protocol):
         self.inner = inner
         self.server = server
         self.transport: asyncio.BaseTransport | None = None
+        self.had_stream = False  # a stream was open at the last write
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         self.transport = transport
         self.server.connections.add(self)
         self.server.num_connections.add(1)
-        self.inner.connection_made(transport)
+        self.inner.connection_made(DrainingTransport(transport, self))  # type: ignore[arg-type]
         advertise_stream_limit(
             self.inner.connection._connection, self.server.max_streams_per_connection
         )
@@ -70,12 +75,58 @@ class TrackedProtocol(asyncio.Protocol):
         connection = getattr(self.inner, "connection", None)  # set once connected
         return connection is not None and connection._connection.open_inbound_streams == 0
 
+    def after_write(self) -> bytes:
+        """What follows a write: while draining, a GOAWAY right after the end of the last open
+        stream on a connection from a peer that takes whatever arrives (its window is 1 GiB or
+        more: nginx's is 2^31-1). nginx keeps an upstream connection for another call unless
+        a GOAWAY has come on it; told so, it opens a new one, which the draining server
+        refuses, and tries the next replica. Other peers are left alone: grpclib's own client
+        drops the messages it has not read yet when a GOAWAY comes."""
+        connection = self.inner.connection._connection
+        if connection.open_inbound_streams:
+            self.had_stream = True
+            return b""
+        if not (self.server.draining and self.had_stream):
+            return b""
+        self.had_stream = False
+        if connection.remote_settings.initial_window_size < PROXY_WINDOW:
+            return b""
+        return graceful_goaway()
+
+    def announce_goaway(self) -> None:
+        """Tell an idle connection's client to go away (calls it already sent still served)."""
+        if self.transport is not None:
+            self.transport.write(graceful_goaway())  # type: ignore[attr-defined]
+
     def go_away(self) -> None:
         """GOAWAY (no new streams here), then close."""
         self.inner.connection._connection.close_connection()
         self.inner.connection.flush()
         if self.transport is not None:
             self.transport.close()
+
+
+def graceful_goaway() -> bytes:
+    """A GOAWAY that lets through every stream the client may already have sent (the last
+    stream id 2^31-1, RFC 9113 §6.8's first of two), sent past h2, whose state stays open, so
+    that such calls are still answered."""
+    frame = GoAwayFrame(0)
+    frame.last_stream_id, frame.error_code = (1 << 31) - 1, 0
+    return bytes(frame.serialize())
+
+
+class DrainingTransport:
+    """The transport grpclib writes to, with what `TrackedProtocol.after_write` adds."""
+
+    def __init__(self, inner: asyncio.BaseTransport, protocol: TrackedProtocol) -> None:
+        self.inner = inner
+        self.protocol = protocol
+
+    def write(self, data: bytes) -> None:
+        self.inner.write(bytes(data) + self.protocol.after_write())  # type: ignore[attr-defined]
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.inner, name)
 
 
 def advertise_stream_limit(connection: H2Connection, limit: int) -> None:
@@ -142,6 +193,8 @@ class GrpclibServer(Server):
         self.max_streams_per_connection = max_streams_per_connection
         self.max_request_bytes = max_request_bytes
         self.connections: set[TrackedProtocol] = set()  # the open ones
+        self.draining = False
+        self.accepting: set[asyncio.Task[Any]] = set()  # backlog connections being set up
         self.num_connections = Count()
 
     def _protocol_factory(self) -> TrackedProtocol:  # type: ignore[override]
@@ -163,9 +216,32 @@ class GrpclibServer(Server):
         return int(listener.sockets[0].getsockname()[1])
 
     def stop_listening(self) -> None:
-        """Accept no new connections; open ones carry on."""
-        if self._server is not None:
-            self._server.close()
+        """Accept no new connections; open ones carry on. Those the kernel has completed but
+        not yet handed over (the listen backlog) are taken first: closing the socket would
+        reset them, and a proxy that has sent a call on one takes the reset for a failed call
+        rather than a refused connection it may try elsewhere."""
+        listener = self._server
+        if not isinstance(listener, asyncio.Server) or not listener.sockets:
+            return
+        loop = asyncio.get_running_loop()
+        for sock in listener.sockets:
+            for accepted in pending_connections(sock):
+                task = loop.create_task(
+                    loop.connect_accepted_socket(self._protocol_factory, accepted)
+                )
+                self.accepting.add(task)
+                task.add_done_callback(self.accepting.discard)
+        listener.close()
+
+    def announce_drain(self) -> None:
+        """The drain's first phase: accept no new connections, tell the idle ones to go away
+        (calls already on their way are still answered), and end every connection's last
+        stream with a PING from now on (see `TrackedProtocol.after_write`)."""
+        self.draining = True
+        self.stop_listening()
+        for protocol in list(self.connections):
+            if protocol.idle:
+                protocol.announce_goaway()
 
     def close_idle_connections(self) -> None:
         """Send GOAWAY on, and close, every connection with no stream open (pooled client
@@ -179,6 +255,18 @@ class GrpclibServer(Server):
         for protocol in list(self.connections):
             if protocol.transport is not None:
                 protocol.transport.close()
+
+
+def pending_connections(listener: Any) -> Iterator[socket.socket]:
+    """The connections waiting in a listening socket's backlog, accepted."""
+    with socket.fromfd(listener.fileno(), listener.family, listener.type) as sock:
+        sock.setblocking(False)
+        while True:
+            try:
+                accepted, _ = sock.accept()
+            except (BlockingIOError, InterruptedError):
+                return
+            yield accepted
 
 
 async def recv_request(stream: Stream[Any, Any]) -> Any:

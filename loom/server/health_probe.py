@@ -1,8 +1,8 @@
 """`loom health`: ask a server's grpc.health.v1 whether it is SERVING, for docker and k8s probes.
 
 Exit status: 0 when SERVING; 1 when the server answers anything else (NOT_SERVING while the
-model loads or while draining, UNKNOWN, SERVICE_UNKNOWN); 2 when nothing answers in time
-(nothing listening, connection refused, timeout).
+model loads, UNKNOWN, SERVICE_UNKNOWN); 2 when nothing answers in time (nothing listening, as
+when the server drains: it closes its port at once; connection refused; timeout).
 """
 
 from __future__ import annotations

@@ -4,13 +4,16 @@
                               ├─ run_engine       (Engine.run: admission task, stepping loop)
                               └─ watch_signals    (SIGTERM/SIGINT → drain; a second → exit now)
 
-The port is bound first, with health NOT_SERVING while the model loads. Drain: new calls get
-UNAVAILABLE and health turns NOT_SERVING (probes still get that answer), the engine finishes
-what it admitted (cut short after `drain_timeout`: the rest end UNAVAILABLE), the handlers
-flush their last messages, the port stops listening, and the clients close their connections
-(a client that has not yet read what was sent to it would lose it if the connection dropped),
-all within `drain_timeout` of the signal; then everything closes and the process exits 0. An
-engine crash fails every live stream with UNAVAILABLE and the process exits non-zero.
+The port is bound first, with health NOT_SERVING while the model loads. Drain: health turns
+NOT_SERVING and the port stops listening at once (a load balancer's next connection goes
+elsewhere), idle connections are told to go away, and each connection's last stream ends with
+a PING from then on (so that a proxy does not keep it for another call); `DRAIN_GRACE` later
+new calls get UNAVAILABLE, the engine finishes what it admitted (cut short after
+`drain_timeout`: the rest end UNAVAILABLE), the handlers flush their last messages, and the
+clients close their connections (a client that has not yet read what was sent to it would lose
+it if the connection dropped), all within `drain_timeout` of the signal; then everything closes
+and the process exits 0. An engine crash fails every live stream with UNAVAILABLE and the
+process exits non-zero.
 """
 
 from __future__ import annotations
@@ -27,6 +30,10 @@ from loom.server.grpc_server import GrpcServer
 from loom.server.metrics import metrics_served
 
 log = logging.getLogger(__name__)
+# From the signal to refusing new calls: the port is closed and idle connections told to go
+# away at once; a call a client (a proxy) sent before it heard still arrives within a round
+# trip, and is served (RFC 9113 §6.8 asks for at least one).
+DRAIN_GRACE = 0.25
 
 
 class LoomServer:
@@ -112,6 +119,8 @@ class LoomServer:
         `drain_timeout`), then let `run` return."""
         self.draining = True
         self.drain_deadline = trio.current_time() + self.config.drain_timeout
+        self.grpc.announce_drain()
+        await trio.sleep(DRAIN_GRACE)  # calls sent before their clients heard are still served
         self.grpc.begin_drain()
         self.engine.drain()
         with trio.move_on_at(self.drain_deadline):

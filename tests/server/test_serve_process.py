@@ -53,21 +53,23 @@ def wait_until_serving(process: subprocess.Popen[str]) -> int:
     raise AssertionError(f"loom serve exited with {process.wait()} before serving")
 
 
-async def slow_stream(port: int, started: asyncio.Event, num_started: list[int]) -> list[int]:
-    """A slow reader with small HTTP/2 windows: flow control holds the server back, so its
-    request stays in flight in the engine too (each message carries 20 logprobs)."""
-    async with Channel(HOST, port, config=SMALL_WINDOWS) as channel:
-        responses = []
-        async with LoomStub(channel).Generate.open() as stream:
-            await stream.send_message(greedy([3, 1, 4], 400, logprobs=20), end=True)
-            async for response in stream:
-                if not responses:
-                    num_started.append(1)
-                    if len(num_started) == 3:
-                        started.set()
-                responses.append(response)
-                await asyncio.sleep(0.005)
-        return token_ids(responses)
+async def slow_stream(
+    channel: Channel, started: asyncio.Event, num_started: list[int]
+) -> list[int]:
+    """A slow reader on a channel with small HTTP/2 windows: flow control holds the server
+    back, so its request stays in flight in the engine too (each message carries 20
+    logprobs)."""
+    responses = []
+    async with LoomStub(channel).Generate.open() as stream:
+        await stream.send_message(greedy([3, 1, 4], 400, logprobs=20), end=True)
+        async for response in stream:
+            if not responses:
+                num_started.append(1)
+                if len(num_started) == 3:
+                    started.set()
+            responses.append(response)
+            await asyncio.sleep(0.005)
+    return token_ids(responses)
 
 
 def test_serve_process_drains_on_sigterm_and_exits_zero(
@@ -75,12 +77,11 @@ def test_serve_process_drains_on_sigterm_and_exits_zero(
 ) -> None:
     process, port = server
 
-    async def scenario() -> tuple[list[list[int]], Status, int]:
+    async def scenario() -> tuple[list[list[int]], Status, int, str]:
         started, num_started = asyncio.Event(), []
-        async with Channel(HOST, port) as channel:  # connected before the signal
-            await HealthStub(channel).Check(HealthCheckRequest())
+        async with Channel(HOST, port, config=SMALL_WINDOWS) as channel:
             streams = [
-                asyncio.create_task(slow_stream(port, started, num_started)) for _ in range(3)
+                asyncio.create_task(slow_stream(channel, started, num_started)) for _ in range(3)
             ]
             await asyncio.wait_for(started.wait(), 30)
             await asyncio.sleep(0.3)
@@ -88,16 +89,24 @@ def test_serve_process_drains_on_sigterm_and_exits_zero(
             assert stats.num_running + stats.num_paused == 3  # in flight in the engine too
             os.kill(process.pid, signal.SIGTERM)
             await asyncio.sleep(0.5)
+            # On the connection still carrying streams: health says so, new calls are refused.
             with pytest.raises(GRPCError) as refused:
                 await LoomStub(channel).Generate(greedy([1], 4))
             health = await HealthStub(channel).Check(HealthCheckRequest())
+            try:  # a new connection: the port no longer listens
+                async with Channel(HOST, port) as fresh:
+                    await HealthStub(fresh).Check(HealthCheckRequest())
+                connecting = "connected"
+            except ConnectionRefusedError:
+                connecting = "refused"
             results = await asyncio.wait_for(asyncio.gather(*streams), 60)
-        return results, refused.value.status, int(health.status)
+        return results, refused.value.status, int(health.status), connecting
 
-    results, refused, health = asyncio.run(scenario())
+    results, refused, health, connecting = asyncio.run(scenario())
     assert [len(r) for r in results] == [400, 400, 400]  # in-flight streams completed
     assert refused is Status.UNAVAILABLE
     assert health == NOT_SERVING
+    assert connecting == "refused"
     assert process.wait(timeout=30) == 0
 
 

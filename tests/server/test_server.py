@@ -267,34 +267,46 @@ async def test_server_is_not_serving_while_the_model_loads(tiny_chat: LoadedMode
 
 async def test_server_drained_while_the_model_loads_never_serves(tiny_chat: LoadedModel) -> None:
     """SIGTERM during loading: once loaded, health still says NOT_SERVING and calls get
-    UNAVAILABLE (not INTERNAL), over a connection the client keeps open."""
+    UNAVAILABLE (not INTERNAL), over a connection the client opened before (a health Watch
+    keeps it busy, so the drain does not send it away); a new connection is refused."""
     with trio.fail_after(30):
         async with loading(tiny_chat) as (server, port, release):
-            loaded = threading.Event()
+            loaded, connected = threading.Event(), threading.Event()
             probes: list[object] = []
             async with trio.open_nursery() as nursery:
+                probe = partial(probe_across_the_load, port, loaded, connected, probes)
+                nursery.start_soon(in_asyncio, probe)
+                await trio.to_thread.run_sync(connected.wait, 10)
                 nursery.start_soon(server.drain)
                 await trio.sleep(0.1)
-                probe = partial(probe_across_the_load, port, release, loaded, probes)
-                nursery.start_soon(in_asyncio, probe)
+                release.set()
                 await wait_engine_loaded(server)
+                await trio.sleep(0.3)  # past the drain's grace
                 loaded.set()
-            assert probes == [NOT_SERVING, NOT_SERVING, Status.UNAVAILABLE]
+            assert probes == [NOT_SERVING, NOT_SERVING, Status.UNAVAILABLE, "refused"]
 
 
 async def probe_across_the_load(
-    port: int, release: threading.Event, loaded: threading.Event, probes: list[object]
+    port: int, loaded: threading.Event, connected: threading.Event, probes: list[object]
 ) -> None:
-    async with Channel(HOST, port) as channel:
+    async with Channel(HOST, port) as channel, HealthStub(channel).Watch.open() as watch:
+        await watch.send_message(HealthCheckRequest(), end=True)
+        await watch.recv_message()
         check = HealthStub(channel).Check
         probes.append(int((await check(HealthCheckRequest())).status))
-        release.set()
+        connected.set()
         await asyncio.to_thread(loaded.wait, 10)
         probes.append(int((await check(HealthCheckRequest())).status))
         try:
             await LoomStub(channel).Generate(greedy([1], 2))
         except GRPCError as exc:
             probes.append(exc.status)
+        try:
+            async with Channel(HOST, port) as fresh:
+                await HealthStub(fresh).Check(HealthCheckRequest())
+        except ConnectionRefusedError:
+            probes.append("refused")
+        await watch.cancel()
 
 
 async def wait_engine_loaded(server: LoomServer) -> None:

@@ -1,0 +1,70 @@
+"""nginx in front of Loom replicas, for the tests: deploy/nginx/nginx.conf as shipped, but for
+its listening port (a free one on loopback) and its upstreams (the replicas given)."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import socket
+import subprocess
+import tempfile
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
+
+CONF = Path(__file__).resolve().parent.parent / "deploy" / "nginx" / "nginx.conf"
+LISTEN = "listen 8080 http2;"
+
+
+def nginx_path() -> str | None:
+    return shutil.which("nginx") or next(
+        (p for p in ("/usr/sbin/nginx", "/usr/local/sbin/nginx") if os.access(p, os.X_OK)), None
+    )
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])
+
+
+def write_upstreams(folder: Path, ports: list[int]) -> None:
+    lines = "".join(f"server 127.0.0.1:{port} max_fails=1 fail_timeout=10s;\n" for port in ports)
+    (folder / "upstreams.conf").write_text(lines)
+
+
+@contextmanager
+def nginx_front(ports: list[int]) -> Iterator[int]:
+    """nginx, in the foreground, balancing over the replicas on `ports`: its port."""
+    nginx = nginx_path()
+    assert nginx is not None, "nginx is not installed (apt-get install nginx)"
+    folder = Path(tempfile.mkdtemp(prefix="loom-nginx-"))
+    os.chmod(folder, 0o755)  # its workers run as nobody
+    port = free_port()
+    config = CONF.read_text()
+    assert LISTEN in config
+    (folder / "nginx.conf").write_text(config.replace(LISTEN, f"listen 127.0.0.1:{port} http2;"))
+    write_upstreams(folder, ports)
+    command = [nginx, "-p", str(folder), "-c", str(folder / "nginx.conf")]
+    process = subprocess.Popen([*command, "-g", f"daemon off; pid {folder}/nginx.pid;"])
+    try:
+        wait_listening(port, process)
+        yield port
+    finally:
+        process.terminate()
+        process.wait(timeout=30)
+        shutil.rmtree(folder, ignore_errors=True)
+
+
+def wait_listening(port: int, process: subprocess.Popen[bytes]) -> None:
+    deadline = time.monotonic() + 30
+    while time.monotonic() < deadline:
+        if process.poll() is not None:
+            raise RuntimeError(f"nginx exited with {process.returncode}")
+        try:
+            socket.create_connection(("127.0.0.1", port), timeout=1).close()
+            return
+        except OSError:
+            time.sleep(0.05)
+    raise RuntimeError("nginx did not listen within 30 s")
