@@ -35,8 +35,9 @@ def write_upstreams(folder: Path, ports: list[int]) -> None:
 
 
 @contextmanager
-def nginx_front(ports: list[int]) -> Iterator[int]:
-    """nginx, in the foreground, balancing over the replicas on `ports`: its port."""
+def nginx_front(ports: list[int], errors: list[str] | None = None) -> Iterator[int]:
+    """nginx, in the foreground, balancing over the replicas on `ports`: its port. Its error
+    log's lines go into `errors` when it stops."""
     nginx = nginx_path()
     assert nginx is not None, "nginx is not installed (apt-get install nginx)"
     folder = Path(tempfile.mkdtemp(prefix="loom-nginx-"))
@@ -47,13 +48,17 @@ def nginx_front(ports: list[int]) -> Iterator[int]:
     (folder / "nginx.conf").write_text(config.replace(LISTEN, f"listen 127.0.0.1:{port} http2;"))
     write_upstreams(folder, ports)
     command = [nginx, "-p", str(folder), "-c", str(folder / "nginx.conf")]
-    process = subprocess.Popen([*command, "-g", f"daemon off; pid {folder}/nginx.pid;"])
+    log = folder / "error.log"
+    directives = f"daemon off; pid {folder}/nginx.pid; error_log {log} info;"
+    process = subprocess.Popen([*command, "-g", directives])
     try:
         wait_listening(port, process)
         yield port
     finally:
         process.terminate()
         process.wait(timeout=30)
+        if errors is not None and log.exists():
+            errors.extend(log.read_text().splitlines())
         shutil.rmtree(folder, ignore_errors=True)
 
 

@@ -75,16 +75,26 @@ def test_deploy_compose_services_probe_drain_and_reserve_the_gpu(compose: dict[s
 
 
 def test_deploy_compose_replicas_sit_behind_nginx(compose: dict[str, Any]) -> None:
-    replica, front = compose["services"]["loom-replica"], compose["services"]["front"]
-    assert replica["profiles"] == front["profiles"] == ["replicas"]
-    assert "ports" not in replica  # scaled: no host port to collide on
-    drain = float(replica["command"][replica["command"].index("--drain-timeout") + 1])
-    assert seconds(replica["stop_grace_period"]) > drain
-    assert front["depends_on"]["loom-replica"]["condition"] == "service_healthy"
+    services = compose["services"]
+    replicas = {
+        name: s for name, s in services.items() if name.startswith("loom-") and name[5:].isdigit()
+    }
+    front = services["front"]
+    assert len(replicas) >= 2
+    for replica in replicas.values():
+        assert replica["profiles"] == ["replicas"]
+        assert "ports" not in replica  # reached through nginx
+        drain = float(replica["command"][replica["command"].index("--drain-timeout") + 1])
+        assert seconds(replica["stop_grace_period"]) > drain
+    assert front["profiles"] == ["replicas"]
+    assert {name: d["condition"] for name, d in front["depends_on"].items()} == dict.fromkeys(
+        replicas, "service_healthy"
+    )
     mounts = {volume.split(":")[1]: volume.split(":")[0] for volume in front["volumes"]}
     assert mounts["/etc/nginx/nginx.conf"] == "./deploy/nginx/nginx.conf"
     upstreams = (ROOT / mounts["/etc/nginx/upstreams.conf"]).read_text()
-    assert re.search(r"^server loom-replica:50051\b", upstreams, re.MULTILINE)
+    servers = re.findall(r"^server (\S+):50051\b", upstreams, re.MULTILINE)
+    assert servers == sorted(replicas)  # one line each: consistent hashing needs them apart
     assert front["ports"] == ["50051:8080"]
     assert "listen 8080 http2;" in (ROOT / "deploy" / "nginx" / "nginx.conf").read_text()
 
@@ -99,7 +109,7 @@ def test_deploy_every_command_line_parses_with_loom_s_parser(
     compose: dict[str, Any], dockerfile: str
 ) -> None:
     looms = [s for s in compose["services"].values() if s["image"].startswith("loom:")]
-    assert len(looms) == 3
+    assert len(looms) == 4
     commands = [service["command"] for service in looms]
     commands += [service["healthcheck"]["test"][2:] for service in looms]
     commands.append(json.loads(instruction(dockerfile, "CMD")))

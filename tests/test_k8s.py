@@ -48,8 +48,8 @@ def find(manifests: Manifests, file: str, kind: str, name: str) -> dict[str, Any
 
 def loom_deployments(manifests: Manifests) -> list[dict[str, Any]]:
     return [
-        find(manifests, "loom-cpu.yaml", "Deployment", "loom"),
-        find(manifests, "loom-gpu.yaml", "Deployment", "loom-gpu"),
+        find(manifests, "loom-cpu.yaml", "StatefulSet", "loom"),
+        find(manifests, "loom-gpu.yaml", "StatefulSet", "loom"),
     ]
 
 
@@ -94,12 +94,12 @@ def test_k8s_every_document_follows_the_kubernetes_schema(
 
 
 def test_k8s_validation_fails_on_a_wrong_field(manifests: Manifests) -> None:
-    broken = copy.deepcopy(find(manifests, "loom-cpu.yaml", "Deployment", "loom"))
+    broken = copy.deepcopy(find(manifests, "loom-cpu.yaml", "StatefulSet", "loom"))
     pod = broken["spec"]["template"]["spec"]
     pod["terminationGracePeriod"] = pod.pop("terminationGracePeriodSeconds")
     with pytest.raises(jsonschema.ValidationError, match="terminationGracePeriod"):
         validate(broken, "latest")
-    broken = copy.deepcopy(find(manifests, "loom-gpu.yaml", "Deployment", "loom-gpu"))
+    broken = copy.deepcopy(find(manifests, "loom-gpu.yaml", "StatefulSet", "loom"))
     container(broken, "loom")["readinessProbe"]["grpc"]["port"] = "grpc"  # a number only
     with pytest.raises(jsonschema.ValidationError, match="'grpc' is not of type"):
         validate(broken, "latest")
@@ -186,8 +186,10 @@ def test_k8s_nginx_config_map_holds_deploy_nginx_conf_unchanged(manifests: Manif
     assert data["nginx.conf"].encode() == nginx_conf.read_bytes()
     service = find(manifests, "loom-cpu.yaml", "Service", "loom")
     (grpc,) = [p["port"] for p in service["spec"]["ports"] if p["name"] == "grpc"]
-    servers = re.findall(r"^\s*server\s+([^:\s]+):(\d+);", data["upstreams.conf"], re.MULTILINE)
-    assert servers == [("loom", str(grpc))]
+    # One line per replica (consistent hashing needs them apart): the StatefulSet's pods.
+    servers = re.findall(r"^\s*server\s+([^:\s]+):(\d+)\b", data["upstreams.conf"], re.MULTILINE)
+    replicas = find(manifests, "loom-cpu.yaml", "StatefulSet", "loom")["spec"]["replicas"]
+    assert servers == [(f"loom-{i}.loom", str(grpc)) for i in range(replicas)]
 
 
 def test_k8s_nginx_serves_the_config_map_behind_the_front_service(manifests: Manifests) -> None:

@@ -121,10 +121,10 @@ class GrpcServer:
 
     def announce_drain(self) -> None:
         """Health says NOT_SERVING (on the connections still open), the port stops listening
-        at once (a load balancer's next connection goes to another replica), idle connections
-        are told to go away, and from now on a connection's last stream ends with a PING (so
-        that a proxy does not keep the connection: `GrpclibServer.announce_drain`). Calls
-        still arriving are answered: their clients sent them before they heard."""
+        at once (a load balancer's next connection goes to another replica), and connections
+        are told to go away: idle ones now, a proxy's after its last stream
+        (loom/server/drain.py). Calls still arriving are answered: their clients sent them
+        before they heard."""
 
         def announce() -> None:
             self.health.set(False)

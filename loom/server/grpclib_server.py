@@ -1,25 +1,27 @@
 """grpclib's Server, with what Loom needs of it that grpclib keeps private.
 
 The one place that touches grpclib's internals (`Server._server`, `Server._protocol_factory`,
-`Handler.accept`, `Connection._connection`, `Stream._stream`, and h2's `_prepare_for_sending`):
-the bound port; closing the listening socket while open connections carry on; the open
-connections, counted (drain waits on them), told how many streams each may open (HTTP/2
-MAX_CONCURRENT_STREAMS), closed with a GOAWAY when idle at the start of a drain and closed at
-shutdown (grpclib's `close()` cancels the calls but leaves the sockets to the garbage
-collector); a request message refused by its size before its body is read, on every service;
-malformed frames and grpc-timeout headers answered INVALID_ARGUMENT; and the client's deadline
-taken out of grpclib's hands (grpclib answers a deadline that passes before the handler starts
-with UNKNOWN, "Internal Server Error"; the servicer and the engine answer DEADLINE_EXCEEDED).
-Everything here runs in the server's asyncio thread.
+`Handler.accept`, `Connection._connection`, `Stream._stream`, the transport grpclib writes to,
+and h2's `_prepare_for_sending`, `open_inbound_streams` and `remote_settings`): the bound port;
+closing the listening socket while open connections carry on, after taking its backlog; the
+open connections, counted (drain waits on them), told how many streams each may open (HTTP/2
+MAX_CONCURRENT_STREAMS), told to go away in a drain (loom/server/drain.py), closed when idle
+once new calls are refused, and closed at shutdown (grpclib's `close()` cancels the calls but
+leaves the sockets to the garbage collector); a request message refused by its size before its
+body is read, on every service; malformed frames and grpc-timeout headers answered
+INVALID_ARGUMENT; and the client's deadline taken out of grpclib's hands (grpclib answers a
+deadline that passes before the handler starts with UNKNOWN, "Internal Server Error"; the
+servicer and the engine answer DEADLINE_EXCEEDED). Everything here runs in the server's asyncio
+thread.
 """
 
 from __future__ import annotations
 
 import asyncio
-import socket
+import logging
 import struct
-from collections.abc import Awaitable, Callable, Iterator
-from typing import Any
+from collections.abc import Awaitable, Callable
+from typing import Any, cast
 
 from google.protobuf.message import DecodeError
 from grpclib import GRPCError, Status
@@ -28,12 +30,12 @@ from grpclib.protocol import H2Protocol
 from grpclib.server import Handler, Server, Stream
 from h2.connection import ConnectionInputs, H2Connection
 from h2.settings import SettingCodes
-from hyperframe.frame import GoAwayFrame, SettingsFrame
+from hyperframe.frame import SettingsFrame
 
 from loom.server.bridge import Count
+from loom.server.drain import DrainingTransport, graceful_goaway, pending_connections
 
-# A peer whose receive window is this large takes whatever arrives: a proxy (nginx: 2^31-1).
-PROXY_WINDOW = 1 << 30
+log = logging.getLogger(__name__)
 
 
 class TrackedProtocol(asyncio.Protocol):
@@ -43,13 +45,18 @@ class TrackedProtocol(asyncio.Protocol):
         self.inner = inner
         self.server = server
         self.transport: asyncio.BaseTransport | None = None
-        self.had_stream = False  # a stream was open at the last write
+        self.writer: DrainingTransport | None = None  # what grpclib writes to
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         self.transport = transport
         self.server.connections.add(self)
         self.server.num_connections.add(1)
-        self.inner.connection_made(DrainingTransport(transport, self))  # type: ignore[arg-type]
+        self.writer = DrainingTransport(
+            cast(asyncio.Transport, transport),
+            lambda: self.inner.connection._connection,
+            lambda: self.server.draining,
+        )
+        self.inner.connection_made(self.writer)
         advertise_stream_limit(
             self.inner.connection._connection, self.server.max_streams_per_connection
         )
@@ -75,28 +82,14 @@ class TrackedProtocol(asyncio.Protocol):
         connection = getattr(self.inner, "connection", None)  # set once connected
         return connection is not None and connection._connection.open_inbound_streams == 0
 
-    def after_write(self) -> bytes:
-        """What follows a write: while draining, a GOAWAY right after the end of the last open
-        stream on a connection from a peer that takes whatever arrives (its window is 1 GiB or
-        more: nginx's is 2^31-1). nginx keeps an upstream connection for another call unless
-        a GOAWAY has come on it; told so, it opens a new one, which the draining server
-        refuses, and tries the next replica. Other peers are left alone: grpclib's own client
-        drops the messages it has not read yet when a GOAWAY comes."""
-        connection = self.inner.connection._connection
-        if connection.open_inbound_streams:
-            self.had_stream = True
-            return b""
-        if not (self.server.draining and self.had_stream):
-            return b""
-        self.had_stream = False
-        if connection.remote_settings.initial_window_size < PROXY_WINDOW:
-            return b""
-        return graceful_goaway()
-
-    def announce_goaway(self) -> None:
-        """Tell an idle connection's client to go away (calls it already sent still served)."""
-        if self.transport is not None:
-            self.transport.write(graceful_goaway())  # type: ignore[attr-defined]
+    def announce_drain(self) -> None:
+        """An idle connection is told to go away at once; a busy one after its last stream
+        (see loom/server/drain.py)."""
+        if self.writer is None:
+            return
+        self.writer.had_stream = not self.idle
+        if not self.writer.had_stream:
+            self.writer.inner.write(graceful_goaway())
 
     def go_away(self) -> None:
         """GOAWAY (no new streams here), then close."""
@@ -104,29 +97,6 @@ class TrackedProtocol(asyncio.Protocol):
         self.inner.connection.flush()
         if self.transport is not None:
             self.transport.close()
-
-
-def graceful_goaway() -> bytes:
-    """A GOAWAY that lets through every stream the client may already have sent (the last
-    stream id 2^31-1, RFC 9113 §6.8's first of two), sent past h2, whose state stays open, so
-    that such calls are still answered."""
-    frame = GoAwayFrame(0)
-    frame.last_stream_id, frame.error_code = (1 << 31) - 1, 0
-    return bytes(frame.serialize())
-
-
-class DrainingTransport:
-    """The transport grpclib writes to, with what `TrackedProtocol.after_write` adds."""
-
-    def __init__(self, inner: asyncio.BaseTransport, protocol: TrackedProtocol) -> None:
-        self.inner = inner
-        self.protocol = protocol
-
-    def write(self, data: bytes) -> None:
-        self.inner.write(bytes(data) + self.protocol.after_write())  # type: ignore[attr-defined]
-
-    def __getattr__(self, name: str) -> Any:
-        return getattr(self.inner, name)
 
 
 def advertise_stream_limit(connection: H2Connection, limit: int) -> None:
@@ -230,18 +200,23 @@ class GrpclibServer(Server):
                     loop.connect_accepted_socket(self._protocol_factory, accepted)
                 )
                 self.accepting.add(task)
-                task.add_done_callback(self.accepting.discard)
+                task.add_done_callback(self.accepted)
         listener.close()
 
     def announce_drain(self) -> None:
-        """The drain's first phase: accept no new connections, tell the idle ones to go away
-        (calls already on their way are still answered), and end every connection's last
-        stream with a PING from now on (see `TrackedProtocol.after_write`)."""
+        """The drain's first phase (loom/server/drain.py): accept no new connections, tell the
+        idle ones to go away (calls already on their way are still answered), and the others
+        once their last stream has ended, if a proxy holds them. Connections still being taken
+        from the backlog hear nothing yet: closed when idle at the drain's second phase."""
         self.draining = True
         self.stop_listening()
         for protocol in list(self.connections):
-            if protocol.idle:
-                protocol.announce_goaway()
+            protocol.announce_drain()
+
+    def accepted(self, task: asyncio.Task[Any]) -> None:
+        self.accepting.discard(task)
+        if not task.cancelled() and task.exception() is not None:
+            log.warning("a connection from the listen backlog failed: %r", task.exception())
 
     def close_idle_connections(self) -> None:
         """Send GOAWAY on, and close, every connection with no stream open (pooled client
@@ -255,18 +230,6 @@ class GrpclibServer(Server):
         for protocol in list(self.connections):
             if protocol.transport is not None:
                 protocol.transport.close()
-
-
-def pending_connections(listener: Any) -> Iterator[socket.socket]:
-    """The connections waiting in a listening socket's backlog, accepted."""
-    with socket.fromfd(listener.fileno(), listener.family, listener.type) as sock:
-        sock.setblocking(False)
-        while True:
-            try:
-                accepted, _ = sock.accept()
-            except (BlockingIOError, InterruptedError):
-                return
-            yield accepted
 
 
 async def recv_request(stream: Stream[Any, Any]) -> Any:

@@ -6,9 +6,9 @@
 
 The port is bound first, with health NOT_SERVING while the model loads. Drain: health turns
 NOT_SERVING and the port stops listening at once (a load balancer's next connection goes
-elsewhere), idle connections are told to go away, and each connection's last stream ends with
-a PING from then on (so that a proxy does not keep it for another call); `DRAIN_GRACE` later
-new calls get UNAVAILABLE, the engine finishes what it admitted (cut short after
+elsewhere), idle connections are told to go away, and a proxy's busy ones after their last
+stream (loom/server/drain.py); `DRAIN_GRACE` later new calls get UNAVAILABLE and idle
+connections are closed, the engine finishes what it admitted (cut short after
 `drain_timeout`: the rest end UNAVAILABLE), the handlers flush their last messages, and the
 clients close their connections (a client that has not yet read what was sent to it would lose
 it if the connection dropped), all within `drain_timeout` of the signal; then everything closes
@@ -84,8 +84,8 @@ class LoomServer:
             with self.engine_scope:
                 async with trio.open_nursery() as nursery:
                     await nursery.start(self.engine.run)
-                    if self.engine.state is EngineState.SERVING:  # not drained while it loaded
-                        self.grpc.set_serving(True)
+                    if self.engine.state is EngineState.SERVING and not self.draining:
+                        self.grpc.set_serving(True)  # not drained while it loaded
                     task_status.started()
         except Exception:
             self.grpc.set_serving(False)
@@ -120,7 +120,8 @@ class LoomServer:
         self.draining = True
         self.drain_deadline = trio.current_time() + self.config.drain_timeout
         self.grpc.announce_drain()
-        await trio.sleep(DRAIN_GRACE)  # calls sent before their clients heard are still served
+        # Calls sent before their clients heard are still served (not past the deadline).
+        await trio.sleep_until(min(trio.current_time() + DRAIN_GRACE, self.drain_deadline))
         self.grpc.begin_drain()
         self.engine.drain()
         with trio.move_on_at(self.drain_deadline):

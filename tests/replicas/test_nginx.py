@@ -182,9 +182,10 @@ async def read_all(front: int, message: Any) -> str:
 def test_nginx_moves_on_from_a_draining_replica() -> None:
     """SIGTERM to one replica under load: its streams finish, new calls go to the other with no
     error, and it exits 0 within its drain timeout."""
+    errors: list[str] = []
     with ExitStack() as stack:
         (a, process), (b, _) = [stack.enter_context(launched_process(SIM)) for _ in range(2)]
-        front = stack.enter_context(nginx_front([a, b]))
+        front = stack.enter_context(nginx_front([a, b], errors))
 
         async def load() -> tuple[list[str], list[str], float]:
             streams = [
@@ -204,6 +205,9 @@ def test_nginx_moves_on_from_a_draining_replica() -> None:
         assert new == ["ok"] * 20
         drain_timeout = float(SIM[SIM.index("--drain-timeout") + 1])
         assert process.wait(timeout=max(0.1, signalled + drain_timeout - time.monotonic())) == 0
+    # nginx did try the draining replica, was refused, and moved on.
+    refused = [e for e in errors if "connect() failed (111" in e and f":{a}" in e]
+    assert refused, errors
 
 
 def test_nginx_fails_fast_past_a_killed_replica() -> None:
