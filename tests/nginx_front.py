@@ -49,7 +49,7 @@ def nginx_front(ports: list[int], errors: list[str] | None = None) -> Iterator[i
     write_upstreams(folder, ports)
     command = [nginx, "-p", str(folder), "-c", str(folder / "nginx.conf")]
     log = folder / "error.log"
-    directives = f"daemon off; pid {folder}/nginx.pid; error_log {log} info;"
+    directives = f"daemon off; pid {folder}/nginx.pid; error_log {log} warn;"
     process = subprocess.Popen([*command, "-g", directives])
     try:
         wait_listening(port, process)
