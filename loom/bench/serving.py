@@ -218,7 +218,7 @@ async def drive_conversations(
 
 async def server_stats(host: str, port: int) -> pb.ServerStats:
     async with Channel(host, port) as channel:
-        return await LoomStub(channel).GetServerStats(pb.GetServerStatsRequest())
+        return await LoomStub(channel).GetServerStats(pb.GetServerStatsRequest(), timeout=10)
 
 
 class ServerWatch:

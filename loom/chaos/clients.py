@@ -10,7 +10,6 @@ the client did not expect: a finding.
 from __future__ import annotations
 
 import asyncio
-import itertools
 import random
 import signal
 import socket
@@ -28,6 +27,7 @@ from grpclib.config import Configuration
 from grpclib.health.v1.health_grpc import HealthStub
 from grpclib.health.v1.health_pb2 import HealthCheckRequest, HealthCheckResponse
 
+from loom.bench.serving import server_stats
 from loom.v1 import loom_pb2 as pb
 from loom.v1.loom_grpc import LoomStub
 
@@ -37,6 +37,7 @@ LEAVES = ("cancel", "drop", "reset", "stop")
 KILLED_CLIENT = """
 import asyncio, sys
 from grpclib.client import Channel
+from loom.bench.serving import server_stats
 from loom.v1 import loom_pb2 as pb
 from loom.v1.loom_grpc import LoomStub
 
@@ -145,32 +146,6 @@ def reset(channel: Channel) -> None:
     transport.abort()
 
 
-@attrs.frozen(kw_only=True)
-class Timing:
-    ttft: float  # seconds to the first message
-    itl: tuple[float, ...]  # seconds between messages after it
-    outcome: str
-
-
-async def timed(target: Target, message: Any) -> Timing:
-    """A well-behaved client: reads everything at once, timing each message."""
-    start = time.perf_counter()
-    stamps: list[float] = []
-    outcome = "ok"
-    async with target.channel() as channel:
-        try:
-            async with LoomStub(channel).Generate.open(timeout=120) as stream:
-                await stream.send_message(message, end=True)
-                async for _ in stream:
-                    stamps.append(time.perf_counter())
-        except GRPCError as exc:
-            outcome = exc.status.name
-    if not stamps:
-        return Timing(ttft=float("nan"), itl=(), outcome=outcome or "no message")
-    itl = tuple(b - a for a, b in itertools.pairwise(stamps))
-    return Timing(ttft=stamps[0] - start, itl=itl, outcome=outcome)
-
-
 async def kill_clients(target: Target, count: int, max_tokens: int) -> int:
     """Client processes SIGKILLed once each has read a token: how many died so."""
     args = [target.host, str(target.port), str(max_tokens)]
@@ -189,15 +164,13 @@ async def kill_clients(target: Target, count: int, max_tokens: int) -> int:
     return sum(process.returncode == -signal.SIGKILL for process in processes)
 
 
-async def server_stats(target: Target) -> Any:
-    async with target.channel() as channel:
-        return await LoomStub(channel).GetServerStats(pb.GetServerStatsRequest(), timeout=10)
-
-
 async def stats_until(target: Target, done: Callable[[Any], object], seconds: float) -> Any:
     """Poll GetServerStats until `done(stats)`, at most `seconds`: the last stats."""
     deadline = time.monotonic() + seconds
-    while not done(stats := await server_stats(target)) and time.monotonic() < deadline:  # noqa: ASYNC110 (remote state)
+    while True:
+        stats = await server_stats(target.host, target.port)
+        if done(stats) or time.monotonic() >= deadline:
+            break
         await asyncio.sleep(0.01)
     return stats
 

@@ -27,7 +27,7 @@ from tqdm import tqdm
 
 from loom.bench.serving import launched_process
 from loom.chaos import scenarios as sc
-from loom.chaos.clients import Target, model_info, timed
+from loom.chaos.clients import Target, model_info
 from loom.chaos.invariants import Limits, check, probe_tokens
 from loom.chaos.overload import overload
 from loom.core.setting import above, at_least
@@ -134,7 +134,7 @@ async def chaos(
     process: subprocess.Popen[str] | None,
 ) -> list[sc.Result]:
     expected = await probe_tokens(target, limits.probe_timeout)
-    baseline = await timed(target, sc.probe())
+    baseline = await sc.well_behaved(target)
     results = []
     with tqdm(unit=" clients", file=sys.stderr, leave=False) as bar:
         run = sc.Run(target, settings, baseline, server=process)

@@ -9,13 +9,14 @@
 
 from __future__ import annotations
 
+import asyncio
 from typing import Any
 
 import attrs
 
+from loom.bench.serving import one_request
 from loom.chaos.clients import Target, health, stats_until
-from loom.chaos.scenarios import probe
-from loom.v1.loom_grpc import LoomStub
+from loom.chaos.scenarios import PROBE, PROBE_TOKENS
 
 
 @attrs.frozen(kw_only=True)
@@ -25,12 +26,12 @@ class Limits:
 
 
 async def probe_tokens(target: Target, seconds: float) -> list[int]:
-    async with target.channel() as channel:
-        responses = await LoomStub(channel).Generate(probe(), timeout=seconds)
+    """The probe's tokens (loom/chaos/scenarios.py), within `seconds`."""
     ids: list[int] = []
-    for response in responses:
-        delta = response.delta if response.HasField("delta") else response.final.delta
-        ids.extend(delta.token_ids)
+    async with target.channel() as channel:
+        timing = await asyncio.wait_for(one_request(channel, PROBE, PROBE_TOKENS, ids), seconds)
+    if not timing.ok:
+        raise RuntimeError(timing.error)
     return ids
 
 

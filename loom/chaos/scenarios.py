@@ -21,20 +21,20 @@ from typing import Any
 
 import attrs
 
+from loom.bench.metrics import RequestTiming
+from loom.bench.serving import one_request
 from loom.chaos.clients import (
     Behaviour,
     Target,
-    Timing,
     kill_clients,
     request,
     stats_until,
     stream_once,
-    timed,
 )
-from loom.v1 import loom_pb2 as pb
 
 DEADLINES = (0.001, 0.003, 0.01, 0.03, 0.1, 0.3, 1.0, 3.0, 60.0)  # the last one is ample
-PROBE = [1, 2, 3]  # the well-behaved request's prompt
+PROBE = (1, 2, 3)  # the well-behaved request: greedy, 16 tokens, EOS ignored
+PROBE_TOKENS = 16
 
 
 @attrs.frozen(kw_only=True)
@@ -71,16 +71,13 @@ class Run:
 
     target: Target
     settings: Settings
-    baseline: Timing  # the well-behaved request on the idle server
+    baseline: RequestTiming  # the well-behaved request on the idle server
     on_client: Callable[[], object] = lambda: None  # the progress bar
     server: subprocess.Popen[str] | None = None  # when chaos launched the server itself
 
     def message(self, rng: random.Random, max_tokens: int = 0, prompt_len: int = 0) -> Any:
         vocab = self.target.info.vocab_size
         return request(rng, vocab, max_tokens or self.settings.max_tokens, prompt_len)
-
-    def probe(self) -> Any:
-        return probe()
 
     async def crowd(
         self, result: Result, calls: list[tuple[Any, Behaviour]], *, at_once: bool = False
@@ -101,23 +98,25 @@ class Run:
         """`work`, and a well-behaved client once it is under way: its cost in figures."""
         task = asyncio.ensure_future(work)
         await asyncio.sleep(0.2)
-        during = await timed(self.target, self.probe())
+        during = await well_behaved(self.target)
         await task
         result.figures.update(cost(self.baseline, during))
 
 
-def probe() -> Any:
-    """The well-behaved request: greedy, 16 tokens, EOS ignored."""
-    sampling = pb.SamplingParams(temperature=0, max_tokens=16, ignore_eos=True)
-    return pb.GenerateRequest(token_ids=pb.TokenIds(ids=PROBE), sampling=sampling)
+async def well_behaved(target: Target) -> RequestTiming:
+    """The probe request on a connection of its own, each token's arrival timed."""
+    async with target.channel() as channel:
+        return await one_request(channel, PROBE, PROBE_TOKENS)
 
 
-def cost(idle: Timing, during: Timing) -> dict[str, float]:
+def cost(idle: RequestTiming, during: RequestTiming) -> dict[str, float]:
     """A well-behaved client's TTFT and mean ITL beside the crowd, as multiples of the idle's."""
+    if not (idle.ok and during.ok):
+        return {}  # its failure shows in the invariants' probe
     figures = {"ttft_s": during.ttft, "ttft_vs_idle": during.ttft / idle.ttft}
-    if during.itl and idle.itl:
-        mean = statistics.fmean(during.itl)
-        figures |= {"itl_s": mean, "itl_vs_idle": mean / statistics.fmean(idle.itl)}
+    if during.itls and idle.itls:
+        mean = statistics.fmean(during.itls)
+        figures |= {"itl_s": mean, "itl_vs_idle": mean / statistics.fmean(idle.itls)}
     return figures
 
 

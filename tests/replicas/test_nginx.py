@@ -25,9 +25,8 @@ import pytest
 from grpclib import GRPCError, Status
 from grpclib.client import Channel
 
-from loom.bench.serving import launched_process
-from loom.chaos.clients import KILLED_CLIENT, Target, server_stats
-from loom.v1 import loom_pb2 as pb
+from loom.bench.serving import launched_process, server_stats
+from loom.chaos.clients import KILLED_CLIENT
 from loom.v1.loom_grpc import LoomStub
 from tests.grpc_client import HOST, greedy, run_client
 from tests.nginx_front import nginx_front, nginx_path
@@ -35,10 +34,6 @@ from tests.nginx_front import nginx_front, nginx_path
 SIM = ["--model", "sim:step_ms=20", "--drain-timeout", "10"]
 # CI installs nginx (.ci/run); elsewhere, without it, these tests say so and do not run.
 pytestmark = pytest.mark.skipif(nginx_path() is None, reason="nginx is not installed")
-
-
-def target(port: int) -> Target:
-    return Target(host=HOST, port=port, info=pb.ModelInfo(vocab_size=32000))
 
 
 @pytest.fixture(scope="module")
@@ -50,7 +45,7 @@ def cluster() -> Iterator[tuple[int, list[int]]]:
 
 
 def stats(port: int) -> Any:
-    return run_client(server_stats, target(port))
+    return run_client(server_stats, HOST, port)
 
 
 def finished(port: int) -> int:
@@ -60,7 +55,7 @@ def finished(port: int) -> int:
 def wait_idle(port: int) -> Any:
     async def idle() -> Any:
         for _ in range(500):
-            s = await server_stats(target(port))
+            s = await server_stats(HOST, port)
             if s.num_free_blocks == s.num_total_blocks and not (s.num_running or s.num_waiting):
                 return s
             await asyncio.sleep(0.02)
@@ -80,7 +75,7 @@ def test_nginx_streams_each_token_as_it_is_made(cluster: tuple[int, list[int]]) 
             async for _ in stream:
                 count += 1
                 if count in (1, 10, 20):  # the replica is still generating the rest
-                    states = [await server_stats(target(p)) for p in replicas]
+                    states = [await server_stats(HOST, p) for p in replicas]
                     running.append(sum(s.num_running for s in states))
         return running, count
 
@@ -191,7 +186,7 @@ def test_nginx_moves_on_from_a_draining_replica() -> None:
             streams = [
                 asyncio.ensure_future(read_all(front, greedy([i + 1, 5], 100))) for i in range(8)
             ]
-            while not (await server_stats(target(a))).num_running:  # noqa: ASYNC110
+            while not (await server_stats(HOST, a)).num_running:  # noqa: ASYNC110
                 await asyncio.sleep(0.01)
             process.send_signal(signal.SIGTERM)
             signalled = time.monotonic()
@@ -221,9 +216,9 @@ def test_nginx_fails_fast_past_a_killed_replica() -> None:
             streams = [
                 asyncio.ensure_future(read_all(front, greedy([i + 1, 5], 100))) for i in range(8)
             ]
-            while (await server_stats(target(a))).num_running < 2:  # noqa: ASYNC110
+            while (await server_stats(HOST, a)).num_running < 2:  # noqa: ASYNC110
                 await asyncio.sleep(0.01)
-            on_b = (await server_stats(target(b))).num_running
+            on_b = (await server_stats(HOST, b)).num_running
             process.send_signal(signal.SIGKILL)
             ended = await asyncio.wait_for(asyncio.gather(*streams), 30)  # no hang
             new = [await read_all(front, greedy([i + 1, 6], 8)) for i in range(10)]
