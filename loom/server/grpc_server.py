@@ -119,30 +119,30 @@ class GrpcServer:
     def set_serving(self, serving: bool) -> None:
         self.in_loop(lambda: self.health.set(serving))
 
-    def announce_drain(self) -> None:
+    async def announce_drain(self, deadline: float) -> None:
         """Health says NOT_SERVING (on the connections still open), the port stops listening
         at once (a load balancer's next connection goes to another replica), and connections
         are told to go away: idle ones now, a proxy's after its last stream
         (loom/server/drain.py). Calls still arriving are answered: their clients sent them
-        before they heard."""
+        before they heard. Returns once every connection told has shown it heard (its calls
+        sent before have arrived), or at `deadline`."""
 
         def announce() -> None:
             self.health.set(False)
             if self.server is not None:
                 self.server.announce_drain()
 
-        self.in_loop(announce)
+        if self.in_loop(announce):
+            with trio.move_on_at(deadline):
+                await self.until_zero(lambda: self.server.unheard if self.server else None)
 
-    def begin_drain(self) -> None:
-        """New calls get UNAVAILABLE; idle connections get a GOAWAY and are closed."""
-
-        def drain() -> None:
-            if self.servicer is not None:
-                self.servicer.draining = True
-            if self.server is not None:
-                self.server.close_idle_connections()
-
-        self.in_loop(drain)
+    async def refuse_new_calls(self, deadline: float) -> None:
+        """Calls on streams opened from now on get UNAVAILABLE; idle connections get a GOAWAY
+        and are closed. Returns once every call admitted before has reached the engine (or
+        ended), or at `deadline`."""
+        if self.in_loop(lambda: self.server.refuse_new_calls() if self.server else None):
+            with trio.move_on_at(deadline):
+                await self.until_zero(lambda: self.server.arriving if self.server else None)
 
     def stop_listening(self) -> None:
         """Accept no new connections; open ones carry on."""

@@ -1,39 +1,47 @@
 """grpclib's Server, with what Loom needs of it that grpclib keeps private.
 
-The one place that touches grpclib's internals (`Server._server`, `Server._protocol_factory`,
-`Handler.accept`, `Connection._connection`, `Stream._stream`, the transport grpclib writes to,
-and h2's `_prepare_for_sending`, `open_inbound_streams` and `remote_settings`): the bound port;
-closing the listening socket while open connections carry on, after taking its backlog; the
-open connections, counted (drain waits on them), told how many streams each may open (HTTP/2
-MAX_CONCURRENT_STREAMS), told to go away in a drain (loom/server/drain.py), closed when idle
-once new calls are refused, and closed at shutdown (grpclib's `close()` cancels the calls but
-leaves the sockets to the garbage collector); a request message refused by its size before its
-body is read, on every service; malformed frames and grpc-timeout headers answered
-INVALID_ARGUMENT; and the client's deadline taken out of grpclib's hands (grpclib answers a
-deadline that passes before the handler starts with UNKNOWN, "Internal Server Error"; the
-servicer and the engine answer DEADLINE_EXCEEDED). Everything here runs in the server's asyncio
-thread.
+With loom/server/drain.py and loom/server/calls.py, the one place that touches grpclib's
+internals (`Server._server`, `Server._protocol_factory`, `Handler.accept`, `Handler._tasks`,
+`Connection._connection`, `EventsProcessor.processors`, `Stream._stream`, the transport
+grpclib writes to, and h2's `_prepare_for_sending`, `open_inbound_streams` and
+`remote_settings`): the bound port; closing the listening socket while open connections carry
+on, after taking its backlog; the open connections, counted (drain waits on them), told how
+many streams each may open (HTTP/2 MAX_CONCURRENT_STREAMS), told to go away in a drain,
+closed when idle once new calls are refused, and closed at shutdown (grpclib's `close()`
+cancels the calls but leaves the sockets to the garbage collector); each call admitted or
+refused in a drain as its stream opens; a request message refused by its size before its
+body is read, on every service, and malformed frames and grpc-timeout headers answered
+INVALID_ARGUMENT (loom/server/calls.py); and the client's deadline taken out of grpclib's
+hands (grpclib answers a deadline that passes before the handler starts with UNKNOWN,
+"Internal Server Error"; the servicer and the engine answer DEADLINE_EXCEEDED). Everything
+here runs in the server's asyncio thread.
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
-import struct
-from collections.abc import Awaitable, Callable
+import weakref
+from collections.abc import Callable
 from typing import Any, cast
 
-from google.protobuf.message import DecodeError
-from grpclib import GRPCError, Status
 from grpclib.metadata import Deadline
 from grpclib.protocol import H2Protocol
-from grpclib.server import Handler, Server, Stream
+from grpclib.server import Handler, Server
 from h2.connection import ConnectionInputs, H2Connection
 from h2.settings import SettingCodes
 from hyperframe.frame import SettingsFrame
 
 from loom.server.bridge import Count
-from loom.server.drain import DrainingTransport, graceful_goaway, pending_connections
+from loom.server.calls import MALFORMED, capped
+from loom.server.drain import (
+    DrainingTransport,
+    admit,
+    drain_ping,
+    graceful_goaway,
+    hear_ping_answers,
+    pending_connections,
+)
 
 log = logging.getLogger(__name__)
 
@@ -46,9 +54,11 @@ class TrackedProtocol(asyncio.Protocol):
         self.server = server
         self.transport: asyncio.BaseTransport | None = None
         self.writer: DrainingTransport | None = None  # what grpclib writes to
+        self.unheard = False  # told to go away; has neither answered the PING with it nor closed
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         self.transport = transport
+        self.server.connecting.discard(self)
         self.server.connections.add(self)
         self.server.num_connections.add(1)
         self.writer = DrainingTransport(
@@ -57,10 +67,13 @@ class TrackedProtocol(asyncio.Protocol):
             lambda: self.server.draining,
         )
         self.inner.connection_made(self.writer)
+        hear_ping_answers(self.inner.processor, self.heard)
         advertise_stream_limit(
             self.inner.connection._connection, self.server.max_streams_per_connection
         )
         self.inner.connection.flush()
+        if self.server.draining:  # accepted as the drain began, or from the listen backlog
+            self.announce_drain()
 
     def data_received(self, data: bytes) -> None:
         self.inner.data_received(data)
@@ -75,6 +88,7 @@ class TrackedProtocol(asyncio.Protocol):
         self.inner.connection_lost(exc)
         self.server.connections.discard(self)
         self.server.num_connections.add(-1)
+        self.heard()
 
     @property
     def idle(self) -> bool:
@@ -83,13 +97,28 @@ class TrackedProtocol(asyncio.Protocol):
         return connection is not None and connection._connection.open_inbound_streams == 0
 
     def announce_drain(self) -> None:
-        """An idle connection is told to go away at once; a busy one after its last stream
-        (see loom/server/drain.py)."""
+        """An idle connection is told to go away at once, a PING just before; a busy one
+        after its last stream (see loom/server/drain.py); one not yet connected once it is
+        (waited for from now)."""
         if self.writer is None:
+            self.expect_answer()
             return
         self.writer.had_stream = not self.idle
         if not self.writer.had_stream:
-            self.writer.inner.write(graceful_goaway())
+            self.writer.inner.write(drain_ping() + graceful_goaway())
+            self.expect_answer()
+
+    def expect_answer(self) -> None:
+        if not self.unheard:
+            self.unheard = True
+            self.server.unheard.add(1)
+
+    def heard(self) -> None:
+        """The peer answered the PING sent with the GOAWAY (every call it sent before it read
+        them has arrived, and is open), or the connection closed."""
+        if self.unheard:
+            self.unheard = False
+            self.server.unheard.add(-1)
 
     def go_away(self) -> None:
         """GOAWAY (no new streams here), then close."""
@@ -121,6 +150,7 @@ class LoomHandler(Handler):
     at `max_request_bytes` (grpclib reads a message whole, whatever the size its header says)."""
 
     max_request_bytes: int
+    server: GrpclibServer
 
     def accept(self, stream: Any, headers: Any, release_stream: Callable[[], Any]) -> None:
         try:
@@ -130,29 +160,8 @@ class LoomHandler(Handler):
         headers = [(name, value) for name, value in headers if name != "grpc-timeout"]
         stream.recv_data = capped(stream.recv_data, self.max_request_bytes)
         super().accept(stream, headers, release_stream)
-
-
-MALFORMED = object()
-
-
-def capped(recv_data: Callable[[int], Awaitable[bytes]], limit: int) -> Callable[..., Any]:
-    async def recv(size: int) -> bytes:
-        if size > limit:
-            raise GRPCError(
-                Status.RESOURCE_EXHAUSTED,
-                f"the request message has {size} bytes; the limit is max_request_bytes={limit}",
-            )
-        return await recv_data(size)
-
-    return recv
-
-
-def deadline_of(stream: Stream[Any, Any]) -> Deadline | None:
-    """The client's deadline for a call, if it set one."""
-    deadline: Deadline | object | None = getattr(stream._stream, "loom_deadline", None)
-    if not (deadline is None or isinstance(deadline, Deadline)):
-        raise GRPCError(Status.INVALID_ARGUMENT, "the grpc-timeout header is malformed")
-    return deadline
+        path = next((value for name, value in headers if name == ":path"), "")
+        admit(stream, path, self._tasks[stream], self.server.refusing, self.server.arriving)
 
 
 class GrpclibServer(Server):
@@ -163,9 +172,17 @@ class GrpclibServer(Server):
         self.max_streams_per_connection = max_streams_per_connection
         self.max_request_bytes = max_request_bytes
         self.connections: set[TrackedProtocol] = set()  # the open ones
+        self.connecting: weakref.WeakSet[TrackedProtocol] = weakref.WeakSet()  # not yet open
         self.draining = False
         self.accepting: set[asyncio.Task[Any]] = set()  # backlog connections being set up
         self.num_connections = Count()
+        # Connections told to go away that have not yet shown they heard, and those still
+        # being taken from the backlog (told once connected): the drain waits for none.
+        self.unheard = Count()
+        self.refusing = False  # the drain's second phase: calls opened from now on refused
+        # Generate calls admitted (opened before that) whose handler has not yet handed them
+        # to the engine: the engine stops taking requests once there are none.
+        self.arriving = Count()
 
     def _protocol_factory(self) -> TrackedProtocol:  # type: ignore[override]
         """grpclib's, with a LoomHandler, in a TrackedProtocol."""
@@ -174,8 +191,11 @@ class GrpclibServer(Server):
             self._mapping, self._codec, self._status_details_codec, self.__dispatch__
         )
         handler.max_request_bytes = self.max_request_bytes
+        handler.server = self
         self._handlers.add(handler)
-        return TrackedProtocol(H2Protocol(handler, self._config, self._h2_config), self)
+        protocol = TrackedProtocol(H2Protocol(handler, self._config, self._h2_config), self)
+        self.connecting.add(protocol)
+        return protocol
 
     @property
     def port(self) -> int:
@@ -200,6 +220,7 @@ class GrpclibServer(Server):
                     loop.connect_accepted_socket(self._protocol_factory, accepted)
                 )
                 self.accepting.add(task)
+                self.unheard.add(1)
                 task.add_done_callback(self.accepted)
         listener.close()
 
@@ -207,21 +228,24 @@ class GrpclibServer(Server):
         """The drain's first phase (loom/server/drain.py): accept no new connections, tell the
         idle ones to go away (calls already on their way are still answered), and the others
         once their last stream has ended, if a proxy holds them. Connections still being taken
-        from the backlog hear nothing yet: closed when idle at the drain's second phase."""
+        from the backlog are told once connected."""
         self.draining = True
         self.stop_listening()
-        for protocol in list(self.connections):
+        for protocol in [*self.connections, *self.connecting]:
             protocol.announce_drain()
 
     def accepted(self, task: asyncio.Task[Any]) -> None:
         self.accepting.discard(task)
+        self.unheard.add(-1)
         if not task.cancelled() and task.exception() is not None:
             log.warning("a connection from the listen backlog failed: %r", task.exception())
 
-    def close_idle_connections(self) -> None:
-        """Send GOAWAY on, and close, every connection with no stream open (pooled client
-        channels): a client with streams still being read keeps its connection until it closes
-        it, since grpclib's client drops unread messages when it gets a GOAWAY."""
+    def refuse_new_calls(self) -> None:
+        """The drain's second phase: a call on a stream opened from now on is refused (see
+        `admit`), and every connection with no stream open is sent a GOAWAY and closed
+        (pooled client channels): a client with streams still being read keeps its connection
+        until it closes it, since grpclib's client drops unread messages when it gets a GOAWAY."""
+        self.refusing = True
         for protocol in list(self.connections):
             if protocol.idle:
                 protocol.go_away()
@@ -230,33 +254,3 @@ class GrpclibServer(Server):
         for protocol in list(self.connections):
             if protocol.transport is not None:
                 protocol.transport.close()
-
-
-async def recv_request(stream: Stream[Any, Any]) -> Any:
-    """`stream.recv_message()`, a frame that is cut short, compressed or does not parse
-    answered INVALID_ARGUMENT (grpclib's own reading answers UNKNOWN or serves what it got)."""
-    header = await recv_exactly(stream, 5)
-    if not header:
-        return None
-    compressed, size = struct.unpack(">?I", header)
-    if compressed:
-        raise GRPCError(Status.INVALID_ARGUMENT, "compressed request messages are not supported")
-    body = await recv_exactly(stream, size)  # capped: see LoomHandler
-    try:
-        return stream._codec.decode(body, stream._recv_type)
-    except DecodeError as exc:
-        raise GRPCError(
-            Status.INVALID_ARGUMENT, f"the request message does not parse: {exc}"
-        ) from exc
-
-
-async def recv_exactly(stream: Stream[Any, Any], size: int) -> bytes:
-    """`size` bytes of the request, or none at its end."""
-    cut_short = GRPCError(Status.INVALID_ARGUMENT, "the request message is cut short")
-    try:
-        data: bytes = await stream._stream.recv_data(size)
-    except AssertionError:  # grpclib's word for a stream that ended mid-frame
-        raise cut_short from None
-    if data and len(data) != size:
-        raise cut_short
-    return data

@@ -7,13 +7,13 @@
 The port is bound first, with health NOT_SERVING while the model loads. Drain: health turns
 NOT_SERVING and the port stops listening at once (a load balancer's next connection goes
 elsewhere), idle connections are told to go away, and a proxy's busy ones after their last
-stream (loom/server/drain.py); `DRAIN_GRACE` later new calls get UNAVAILABLE and idle
-connections are closed, the engine finishes what it admitted (cut short after
-`drain_timeout`: the rest end UNAVAILABLE), the handlers flush their last messages, and the
-clients close their connections (a client that has not yet read what was sent to it would lose
-it if the connection dropped), all within `drain_timeout` of the signal; then everything closes
-and the process exits 0. An engine crash fails every live stream with UNAVAILABLE and the
-process exits non-zero.
+stream (loom/server/drain.py); once the idle ones have shown they heard (and `DRAIN_GRACE`
+has passed) new calls get UNAVAILABLE and idle connections are closed, the engine finishes
+what it admitted (cut short after `drain_timeout`: the rest end UNAVAILABLE), the handlers
+flush their last messages, and the clients close their connections (a client that has not yet
+read what was sent to it would lose it if the connection dropped), all within `drain_timeout`
+of the signal; then everything closes and the process exits 0. An engine crash fails every
+live stream with UNAVAILABLE and the process exits non-zero.
 """
 
 from __future__ import annotations
@@ -31,9 +31,14 @@ from loom.server.metrics import metrics_served
 
 log = logging.getLogger(__name__)
 # From the signal to refusing new calls: the port is closed and idle connections told to go
-# away at once; a call a client (a proxy) sent before it heard still arrives within a round
-# trip, and is served (RFC 9113 §6.8 asks for at least one).
+# away at once, each with a PING; a call a client (a proxy) sent before it heard has arrived
+# by the PING's answer, and is served (RFC 9113 §6.8 asks for at least a round trip). New
+# calls are refused once every peer told has answered (or closed), at most `HEARD_WAIT` after
+# the signal (a peer that answers no PING), and no sooner than `DRAIN_GRACE` after it. The
+# engine stops taking requests once the Generate calls admitted before have reached it, at
+# most `HEARD_WAIT` later (a request message slow to come is then refused).
 DRAIN_GRACE = 0.25
+HEARD_WAIT = 5.0
 
 
 class LoomServer:
@@ -118,11 +123,12 @@ class LoomServer:
         """What SIGTERM starts: take no new work, let in-flight streams end (at most
         `drain_timeout`), then let `run` return."""
         self.draining = True
-        self.drain_deadline = trio.current_time() + self.config.drain_timeout
-        self.grpc.announce_drain()
+        start = trio.current_time()
+        self.drain_deadline = start + self.config.drain_timeout
         # Calls sent before their clients heard are still served (not past the deadline).
-        await trio.sleep_until(min(trio.current_time() + DRAIN_GRACE, self.drain_deadline))
-        self.grpc.begin_drain()
+        await self.grpc.announce_drain(min(start + HEARD_WAIT, self.drain_deadline))
+        await trio.sleep_until(min(start + DRAIN_GRACE, self.drain_deadline))
+        await self.grpc.refuse_new_calls(min(trio.current_time() + HEARD_WAIT, self.drain_deadline))
         self.engine.drain()
         with trio.move_on_at(self.drain_deadline):
             await self.engine_done.wait()

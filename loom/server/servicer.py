@@ -29,8 +29,9 @@ from loom.engine.engine import Engine
 from loom.engine.request_stream import RequestStream
 from loom.server import wire
 from loom.server.bridge import Count, TrioBridge
+from loom.server.calls import deadline_of, recv_request
 from loom.server.config import ServerConfig
-from loom.server.grpclib_server import deadline_of, recv_request
+from loom.server.drain import admitted, arrived
 from loom.v1 import loom_pb2 as pb
 from loom.v1.loom_grpc import LoomBase
 
@@ -77,7 +78,6 @@ class LoomServicer(LoomBase):
         self.bridge = bridge
         self.config = config
         self.send_timeout = send_timeout  # how long a finished request waits on a slow client
-        self.draining = False
         self.num_in_flight = Count()  # Generate handlers running
         self.streams_per_connection = Counter[object]()  # by the client's address and port
 
@@ -85,7 +85,7 @@ class LoomServicer(LoomBase):
         deadline = deadline_of(stream)
         try:
             request = await self.receive(stream, deadline)
-            if self.draining:
+            if not admitted(stream):
                 raise GRPCError(Status.UNAVAILABLE, "the server is draining")
             self.check_streams(stream)
         except GRPCError as exc:  # refused before the engine saw it: counted all the same
@@ -125,14 +125,17 @@ class LoomServicer(LoomBase):
                 prompt = wire.prompt_from(request)
                 sampling = wire.sampling_from(request.sampling)
                 timeout = deadline.time_remaining() if deadline else None
-                outputs = await self.bridge.call(
-                    self.submit_until,
-                    prompt,
-                    sampling,
-                    request.cache_salt,
-                    timeout,
-                    orphan=RequestStream.abort,
-                )
+                try:
+                    outputs = await self.bridge.call(
+                        self.submit_until,
+                        prompt,
+                        sampling,
+                        request.cache_salt,
+                        timeout,
+                        orphan=RequestStream.abort,
+                    )
+                finally:
+                    arrived(stream)  # a drain waits for this (loom/server/drain.py)
                 try:
                     await self.relay(stream, outputs, request_id)
                 finally:

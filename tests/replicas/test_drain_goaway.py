@@ -13,10 +13,13 @@ from typing import Any
 
 import h2.connection
 import h2.events
+import hpack
 from h2.settings import SettingCodes
+from hyperframe.frame import DataFrame, Frame, GoAwayFrame, HeadersFrame, PingFrame
 
 from loom.bench.serving import launched_process
-from tests.grpc_client import HOST, greedy
+from loom.v1 import loom_pb2 as pb
+from tests.grpc_client import HOST, greedy, token_ids
 
 SIM = ["--model", "sim:step_ms=20", "--drain-timeout", "5"]
 ALL_STREAMS = (1 << 31) - 1
@@ -42,7 +45,8 @@ def call(sock: socket.socket, connection: Any, port: int) -> None:
 
 
 def events(sock: socket.socket, connection: Any, seconds: float) -> list[Any]:
-    """What arrives for `seconds` (or until the connection closes), acknowledging data."""
+    """What arrives for `seconds` (or until the connection closes), acknowledging data and
+    answering PINGs."""
     seen: list[Any] = []
     deadline = time.monotonic() + seconds
     while (left := deadline - time.monotonic()) > 0:
@@ -57,8 +61,58 @@ def events(sock: socket.socket, connection: Any, seconds: float) -> list[Any]:
             seen.append(event)
             if isinstance(event, h2.events.DataReceived):
                 connection.acknowledge_received_data(event.flow_controlled_length, 1)
+            if isinstance(event, h2.events.PingReceived) and closed(connection):
+                sock.sendall(answer(event.ping_data))  # h2 drops its own when a GOAWAY follows
         sock.sendall(connection.data_to_send())
     return seen
+
+
+def closed(connection: Any) -> bool:
+    return bool(connection.state_machine.state is h2.connection.ConnectionState.CLOSED)
+
+
+def answer(ping_data: bytes) -> bytes:
+    return bytes(PingFrame(0, opaque_data=ping_data, flags=["ACK"]).serialize())
+
+
+def frames(sock: socket.socket, seconds: float) -> list[Frame]:
+    """The frames that arrive for `seconds` (or until stream 1 ends), read without h2 (which
+    takes any frame after a GOAWAY for an error), PINGs answered."""
+    seen: list[Frame] = []
+    buffer, deadline = b"", time.monotonic() + seconds
+    while (left := deadline - time.monotonic()) > 0:
+        sock.settimeout(left)
+        try:
+            buffer += sock.recv(65536)
+        except TimeoutError:
+            break
+        while len(buffer) >= 9:
+            frame, length = Frame.parse_frame_header(memoryview(buffer[:9]))
+            if len(buffer) < 9 + length:
+                break
+            frame.parse_body(memoryview(buffer[9 : 9 + length]))
+            buffer = buffer[9 + length :]
+            seen.append(frame)
+            if isinstance(frame, PingFrame) and "ACK" not in frame.flags:
+                sock.sendall(answer(frame.opaque_data))
+            if frame.stream_id == 1 and "END_STREAM" in frame.flags:
+                return seen
+    return seen
+
+
+def until_goaway_waits(sock: socket.socket) -> None:
+    """Until a GOAWAY has arrived, left unread: the drain has begun."""
+    sock.settimeout(10)
+    deadline = time.monotonic() + 10
+    while time.monotonic() < deadline:
+        waiting = sock.recv(65536, socket.MSG_PEEK)
+        while len(waiting) >= 9:
+            frame, length = Frame.parse_frame_header(memoryview(waiting[:9]))
+            if isinstance(frame, GoAwayFrame):
+                return
+            waiting = waiting[9 + length :]
+        time.sleep(0.01)
+    raise AssertionError("no GOAWAY 10 s after SIGTERM")
 
 
 def kinds(seen: list[Any]) -> list[str]:
@@ -76,11 +130,11 @@ def test_drain_tells_idle_and_proxy_connections_to_go_away_and_spares_the_others
         for connection in (idle, proxy, client):
             events(*connection, 0.05)  # settings; the calls' first tokens
         process.send_signal(signal.SIGTERM)
-        # Well within the 5 s drain timeout (its end closes every connection); the streams
-        # end about 1 s after the signal, well after new calls are refused (0.25 s), when the
-        # connections idle then were closed.
+        # Well within the 5 s drain timeout (its end closes every connection): the idle
+        # connection answers the drain's PING at once, so new calls are refused 0.25 s after
+        # the signal, and it is closed; the streams end about 1 s after the signal.
+        on_idle = events(*idle, 2.0)  # ends when the connection closes
         on_client = events(*client, 2.0)
-        on_idle = events(*idle, 0.5)
         on_proxy = events(*proxy, 0.5)
         for sock, _ in (idle, proxy, client):
             sock.close()
@@ -95,3 +149,43 @@ def test_drain_tells_idle_and_proxy_connections_to_go_away_and_spares_the_others
     assert isinstance(on_proxy[ended + 1], h2.events.ConnectionTerminated)  # right after its end
     assert on_proxy[ended + 1].last_stream_id == ALL_STREAMS
     assert kinds(on_client) == ["StreamEnded"]  # no GOAWAY: its unread messages are safe
+
+
+def test_drain_serves_a_call_sent_before_the_peer_heard_however_late_it_comes() -> None:
+    """A peer that sends a call on an idle connection before it has read the drain's PING
+    and GOAWAY (as nginx may, on a kept-alive connection) has it served, even when it comes
+    after the 0.25 s grace (a loaded machine, a slow peer): new calls are refused only once
+    the peer has answered the PING, and frames keep their order."""
+    with launched_process([*SIM[:-1], "30"]) as (port, process):  # a drain timeout of 30 s
+        sock, connection = connect(port)
+        events(sock, connection, 0.05)  # settings
+        process.send_signal(signal.SIGTERM)
+        until_goaway_waits(sock)
+        time.sleep(0.5)  # the PING and GOAWAY wait, unread, past the grace
+        call(sock, connection, port)
+        seen = frames(sock, 25.0)  # until the stream ends: 1.2 s on an idle machine
+        sock.close()
+        assert process.wait(timeout=10) == 0
+
+    on_call = [f for f in seen if f.stream_id == 1]
+    assert len(token_ids(messages(on_call))) == 60  # served, not refused (UNAVAILABLE)
+    assert ("grpc-status", "0") in headers(on_call)
+    ping = next(i for i, f in enumerate(seen) if isinstance(f, PingFrame))
+    assert isinstance(seen[ping + 1], GoAwayFrame)  # in one write, the PING first
+    assert seen[ping + 1].last_stream_id == ALL_STREAMS
+
+
+def messages(on_stream: list[Frame]) -> list[pb.GenerateResponse]:
+    data = b"".join(bytes(f.data) for f in on_stream if isinstance(f, DataFrame))
+    found = []
+    while data:
+        size = int.from_bytes(data[1:5], "big")
+        found.append(pb.GenerateResponse.FromString(data[5 : 5 + size]))
+        data = data[5 + size :]
+    return found
+
+
+def headers(on_stream: list[Frame]) -> list[tuple[str, str]]:
+    decoder = hpack.Decoder()  # every header block of the connection, in order: stream 1's
+    blocks = [f.data for f in on_stream if isinstance(f, HeadersFrame)]
+    return [(str(n), str(v)) for block in blocks for n, v in decoder.decode(block, raw=False)]
