@@ -132,17 +132,27 @@ class GrpcServer:
             if self.server is not None:
                 self.server.announce_drain()
 
-        if self.in_loop(announce):
-            with trio.move_on_at(deadline):
-                await self.until_zero(lambda: self.server.unheard if self.server else None)
+        await self.run_then_wait(
+            announce, lambda: self.server.unheard if self.server else None, deadline
+        )
 
     async def refuse_new_calls(self, deadline: float) -> None:
         """Calls on streams opened from now on get UNAVAILABLE; idle connections get a GOAWAY
         and are closed. Returns once every call admitted before has reached the engine (or
         ended), or at `deadline`."""
-        if self.in_loop(lambda: self.server.refuse_new_calls() if self.server else None):
+        await self.run_then_wait(
+            lambda: self.server.refuse_new_calls() if self.server else None,
+            lambda: self.server.arriving if self.server else None,
+            deadline,
+        )
+
+    async def run_then_wait(
+        self, fn: Callable[[], Any], count: Callable[[], Count | None], deadline: float
+    ) -> None:
+        """Run `fn` in the asyncio thread, then wait until `count` is zero (or `deadline`)."""
+        if self.in_loop(fn):
             with trio.move_on_at(deadline):
-                await self.until_zero(lambda: self.server.arriving if self.server else None)
+                await self.until_zero(count)
 
     def stop_listening(self) -> None:
         """Accept no new connections; open ones carry on."""

@@ -83,15 +83,10 @@ def frames(sock: socket.socket, seconds: float) -> list[Frame]:
     while (left := deadline - time.monotonic()) > 0:
         sock.settimeout(left)
         try:
-            buffer += sock.recv(65536)
+            complete, buffer = split_frames(buffer + sock.recv(65536))
         except TimeoutError:
             break
-        while len(buffer) >= 9:
-            frame, length = Frame.parse_frame_header(memoryview(buffer[:9]))
-            if len(buffer) < 9 + length:
-                break
-            frame.parse_body(memoryview(buffer[9 : 9 + length]))
-            buffer = buffer[9 + length :]
+        for frame in complete:
             seen.append(frame)
             if isinstance(frame, PingFrame) and "ACK" not in frame.flags:
                 sock.sendall(answer(frame.opaque_data))
@@ -105,14 +100,24 @@ def until_goaway_waits(sock: socket.socket) -> None:
     sock.settimeout(10)
     deadline = time.monotonic() + 10
     while time.monotonic() < deadline:
-        waiting = sock.recv(65536, socket.MSG_PEEK)
-        while len(waiting) >= 9:
-            frame, length = Frame.parse_frame_header(memoryview(waiting[:9]))
-            if isinstance(frame, GoAwayFrame):
-                return
-            waiting = waiting[9 + length :]
+        waiting, _ = split_frames(sock.recv(65536, socket.MSG_PEEK))
+        if any(isinstance(frame, GoAwayFrame) for frame in waiting):
+            return
         time.sleep(0.01)
     raise AssertionError("no GOAWAY 10 s after SIGTERM")
+
+
+def split_frames(data: bytes) -> tuple[list[Frame], bytes]:
+    """The whole frames at the start of `data`, and the rest."""
+    complete: list[Frame] = []
+    while len(data) >= 9:
+        frame, length = Frame.parse_frame_header(memoryview(data[:9]))
+        if len(data) < 9 + length:
+            break
+        frame.parse_body(memoryview(data[9 : 9 + length]))
+        complete.append(frame)
+        data = data[9 + length :]
+    return complete, data
 
 
 def kinds(seen: list[Any]) -> list[str]:
