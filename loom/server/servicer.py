@@ -100,7 +100,8 @@ class LoomServicer(LoomBase):
         """The request message, in time: by the deadline, else within `send_timeout`."""
         patience = deadline.time_remaining() if deadline else self.send_timeout
         try:
-            request = await asyncio.wait_for(recv_request(stream), patience)
+            async with asyncio.timeout(patience):
+                request = await recv_request(stream)
         except TimeoutError:
             if deadline is not None:
                 raise GRPCError(
