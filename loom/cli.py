@@ -32,7 +32,7 @@ from loom.model.sim import SimRunner, is_sim, load_sim
 from loom.server import health_probe
 from loom.server.config import ServerConfig
 from loom.server.metrics import JsonFormatter
-from loom.server.server import LoomServer
+from loom.server.supervisor import Supervisor
 
 T = TypeVar("T")
 SERVE_CONFIGS = (ModelConfig, EngineConfig, ServerConfig)
@@ -131,7 +131,7 @@ def serve(args: argparse.Namespace) -> int:
     if config.log_format == "json":
         for handler in logging.getLogger().handlers:
             handler.setFormatter(JsonFormatter())
-    server = LoomServer(engine, config)
+    server = Supervisor(engine, config)
     trio.run(server.run)
     return server.exit_code
 

@@ -14,15 +14,15 @@ from loom.engine.engine import Engine, RunnerFactory
 from loom.model.loader import LoadedModel
 from loom.model.model_runner import ModelRunner
 from loom.server.config import ServerConfig
-from loom.server.server import LoomServer
+from loom.server.supervisor import Supervisor
 
 
 @asynccontextmanager
 async def serving(
     loaded: LoadedModel, make_runner: RunnerFactory = ModelRunner, **config: Any
-) -> AsyncIterator[tuple[LoomServer, int]]:
+) -> AsyncIterator[tuple[Supervisor, int]]:
     engine = Engine(EngineConfig(**config), lambda: loaded, make_runner=make_runner)
-    server = LoomServer(engine, ServerConfig(port=0, drain_timeout=5))
+    server = Supervisor(engine, ServerConfig(port=0, drain_timeout=5))
     async with trio.open_nursery() as nursery:
         port = await nursery.start(server.run)
         try:
@@ -34,7 +34,7 @@ async def serving(
 @asynccontextmanager
 async def loading(
     loaded: LoadedModel,
-) -> AsyncIterator[tuple[LoomServer, int, threading.Event]]:
+) -> AsyncIterator[tuple[Supervisor, int, threading.Event]]:
     """A server whose model load waits for the yielded event: itself and its port, bound
     before it serves."""
     release = threading.Event()
@@ -43,7 +43,7 @@ async def loading(
         release.wait(30)
         return loaded
 
-    server = LoomServer(Engine(EngineConfig(), slow_load), ServerConfig(port=0))
+    server = Supervisor(Engine(EngineConfig(), slow_load), ServerConfig(port=0))
     async with trio.open_nursery() as nursery:
         nursery.start_soon(server.run)
         await server.listening.wait()  # bound, while the model still loads

@@ -15,6 +15,7 @@ from loom.core.config import CacheConfig, SchedulerConfig
 from loom.core.setting import at_least, byte_size, setting
 from loom.engine.config import EngineConfig
 from loom.model.loader import ModelConfig
+from loom.server.boundary.config import BoundaryConfig
 from loom.server.config import ServerConfig
 
 LOOM = [sys.executable, "-m", "loom"]
@@ -85,9 +86,9 @@ def settings_of(config: type) -> list[str]:
 
 def test_loom_help_lists_every_serve_setting() -> None:
     help_text = subprocess.run([*LOOM, "--help"], capture_output=True, text=True, check=True).stdout
-    configs = (*SERVE_CONFIGS, CacheConfig, SchedulerConfig)
+    configs = (*SERVE_CONFIGS, CacheConfig, SchedulerConfig, BoundaryConfig)
     flags = [flag for config in configs for flag in settings_of(config)]
-    assert len(flags) == 25
+    assert len(flags) == 39
     for flag in flags:
         assert flag in help_text
 

@@ -119,6 +119,7 @@ def test_deploy_every_command_line_parses_with_loom_s_parser(
         if args.command == "serve":
             assert args.host == "0.0.0.0"  # reachable from outside the container
             assert args.port == 50051
+            assert args.metrics_host == "0.0.0.0"  # scraped from outside it too
 
 
 def instruction(dockerfile: str, name: str) -> str:
@@ -141,15 +142,17 @@ def test_deploy_dockerfile_runs_loom_as_pid_1_as_a_fixed_non_root_user(dockerfil
 
 
 def test_deploy_dockerfile_installs_dependencies_before_copying_the_source(dockerfile: str) -> None:
-    dependencies = dockerfile.index("pip install --no-cache-dir .")
+    """The locked dependencies in a layer of their own, before the code."""
+    dependencies = dockerfile.index("pip install --no-cache-dir -r requirements.lock")
     source = dockerfile.index("COPY loom ./loom")
-    assert dockerfile.index("COPY pyproject.toml") < dependencies < source
+    assert dockerfile.index("COPY pyproject.toml README.md requirements.lock") < dependencies
+    assert dependencies < source
 
 
 def test_deploy_dockerignore_sends_only_the_build_inputs() -> None:
     lines = (ROOT / ".dockerignore").read_text().splitlines()
     assert "*" in lines
-    assert {"!pyproject.toml", "!README.md", "!loom/"} <= set(lines)
+    assert {"!pyproject.toml", "!README.md", "!requirements.lock", "!loom/"} <= set(lines)
 
 
 def test_deploy_dockerfile_is_clean_for_hadolint() -> None:

@@ -115,6 +115,9 @@ def test_k8s_every_loom_command_line_parses_with_loom_s_parser(manifests: Manife
             assert settings.host == "0.0.0.0"  # reachable from outside the pod
             assert settings.port == port(each, "grpc")
             assert settings.metrics_port == port(each, "metrics")
+            assert settings.metrics_host == "0.0.0.0"  # scraped from outside the pod
+            # nginx (deploy/k8s/nginx.yaml) opens a connection per call: one peer, many
+            assert settings.boundary.max_connections_per_peer == settings.boundary.max_connections
 
 
 def test_k8s_loom_pods_drain_within_the_grace_period(manifests: Manifests) -> None:

@@ -125,7 +125,13 @@ def objectives(text: str) -> Objectives:
 
 
 def serve_args_of(args: argparse.Namespace) -> list[str]:
+    """`loom serve`'s flags for a launched server. Its clients are all this process, one
+    connection each: the connection caps (per peer above all) make room for them."""
     serve_args = shlex.split(args.serve_args)
+    room = str(max(counts("--concurrency", args.concurrency)) + 16)
+    for flag in ("--max-connections", "--max-connections-per-peer"):
+        if not any(arg == flag or arg.startswith(flag + "=") for arg in serve_args):
+            serve_args += [flag, room]
     if args.model:
         serve_args += ["--model", args.model]
     if args.quantization:

@@ -21,7 +21,7 @@ import subprocess
 import sys
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from typing import Any
 
@@ -263,14 +263,17 @@ class ServerWatch:
 
 @contextmanager
 def launched_process(
-    serve_args: list[str], module: str = "loom"
+    serve_args: list[str],
+    module: str = "loom",
+    preexec_fn: Callable[[], object] | None = None,
 ) -> Iterator[tuple[int, subprocess.Popen[str]]]:
-    """`python -m MODULE serve --port 0 ...` in a child process; yields its port, once it
-    serves, and the process (stopped with SIGTERM on the way out, unless it has exited)."""
+    """`python -m MODULE serve --port 0 ...` in a child process (`preexec_fn` runs in it
+    first); yields its port, once it serves, and the process (stopped with SIGTERM on the way
+    out, unless it has exited)."""
     # Its port comes from its INFO line "serving on HOST:PORT": the log level stays info.
     command = [sys.executable, "-m", module, "serve", "--port", "0", *serve_args]
     command += ["--log-level", "info"]
-    process = subprocess.Popen(command, stderr=subprocess.PIPE, text=True)
+    process = subprocess.Popen(command, stderr=subprocess.PIPE, text=True, preexec_fn=preexec_fn)
     assert process.stderr is not None
     reader = threading.Thread(target=process.stderr.read, daemon=True)  # keeps the pipe flowing
     try:

@@ -1,7 +1,8 @@
 """`loom chaos`: put a Loom server through kills, cancels, resets, slow and stopped readers, a
-deadline sweep and overload, and check after every scenario that nothing leaked.
+deadline sweep, overload, and hostile HTTP/2 peers (rapid reset, control-frame floods,
+slowloris, unfinished header blocks), and check after every scenario that nothing leaked.
 
-    loom chaos --address 127.0.0.1:50051
+    loom chaos --address 127.0.0.1:50051      # every scenario but drain
     loom chaos --serve "--model sim" --json    # launches the server: the drain scenario too
 
 It speaks only to the address it is given (or to the server it launched, on loopback). After
@@ -26,6 +27,7 @@ import attrs
 from tqdm import tqdm
 
 from loom.bench.serving import launched_process
+from loom.chaos import hostile
 from loom.chaos import scenarios as sc
 from loom.chaos.clients import Target, model_info
 from loom.chaos.invariants import Limits, check, probe_tokens
@@ -41,6 +43,10 @@ SCENARIOS: dict[str, Scenario] = {
     "stopped-readers": sc.stopped_readers,
     "deadlines": sc.deadlines,
     "overload": overload,
+    "rapid-reset": hostile.rapid_reset,
+    "control-flood": hostile.control_flood,
+    "slowloris": hostile.slowloris,
+    "header-fragments": hostile.header_fragments,
     "drain": sc.drain,  # last: the server is gone after it
 }
 
@@ -58,12 +64,25 @@ def add_parser(commands: Any) -> argparse.ArgumentParser:
         "--serve", metavar="ARGS", help='launch `loom serve --port 0 ARGS`, e.g. "--model sim"'
     )
     add = chaos.add_argument
-    add("--scenarios", default=",".join(SCENARIOS), help="comma-separated (default: all)")
+    add(
+        "--scenarios",
+        default=None,
+        help="comma-separated (default: all; drain only against a server chaos launches)",
+    )
     add("--clients", type=int, default=200, help="clients per scenario (default: 200)")
     add("--concurrency", type=int, default=64, help="clients at once (default: 64)")
     add("--max-tokens", type=int, default=32, help="tokens per request (default: 32)")
     add("--overload-factor", type=int, default=3, help="burst, in queue limits (default: 3)")
     add("--stop-for", type=float, default=1.0, help="seconds a stopped reader stops (default: 1)")
+    add("--attack-frames", type=int, default=100_000, help="rapid-reset pairs, flood frames")
+    add("--hold-connections", type=int, default=50, help="slowloris connections (default: 50)")
+    add(
+        "--hold-wait",
+        type=float,
+        default=15.0,
+        help="seconds held connections wait to be closed (default: 15; the server's preface "
+        "and header timeouts are 10 s, nginx's 60 s)",
+    )
     add("--settle-timeout", type=float, default=30.0, help="seconds to idle after (default: 30)")
     add("--probe-timeout", type=float, default=30.0, help="the probe's deadline (default: 30)")
     add("--seed", type=int, default=0, help="(default: 0)")
@@ -72,7 +91,10 @@ def add_parser(commands: Any) -> argparse.ArgumentParser:
 
 
 def settings_of(args: argparse.Namespace) -> tuple[list[str], sc.Settings, Limits]:
-    names = [name.strip() for name in args.scenarios.split(",") if name.strip()]
+    if args.scenarios is None:
+        names = [name for name in SCENARIOS if name != "drain" or args.serve is not None]
+    else:
+        names = [name.strip() for name in args.scenarios.split(",") if name.strip()]
     unknown = [name for name in names if name not in SCENARIOS]
     if unknown or not names:
         raise ValueError(f"--scenarios: unknown {unknown}; choose from {', '.join(SCENARIOS)}")
@@ -83,11 +105,14 @@ def settings_of(args: argparse.Namespace) -> tuple[list[str], sc.Settings, Limit
         ("--concurrency", args.concurrency, 1),
         ("--max-tokens", args.max_tokens, 1),
         ("--overload-factor", args.overload_factor, 2),
+        ("--attack-frames", args.attack_frames, 1),
+        ("--hold-connections", args.hold_connections, 1),
     ]:
         at_least(minimum)(flag, value)
     for flag, value in [
         ("--settle-timeout", args.settle_timeout),
         ("--probe-timeout", args.probe_timeout),
+        ("--hold-wait", args.hold_wait),
     ]:
         above(0)(flag, value)
     at_least(0)("--stop-for", args.stop_for)

@@ -47,6 +47,9 @@ class Settings:
     # Tokens a stopped reader asks for, with 20 logprobs each (a few hundred bytes a message):
     # enough to fill its 64 KiB HTTP/2 window and the server's buffer, so that it pauses.
     stop_tokens: int = 600
+    attack_frames: int = 100_000  # rapid-reset pairs, control-flood frames
+    hold_connections: int = 50  # slowloris and header-fragments connections
+    hold_wait: float = 15.0  # seconds they wait for the server to close them
     seed: int = 0
 
 

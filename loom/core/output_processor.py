@@ -1,15 +1,14 @@
 """From the scheduler's updates to `RequestOutput`s: detokenise, match stop strings, time, count.
 
 For each token a request receives it makes the delta (token, UTF-8-safe text, logprobs); a delta
-whose text reached a stop string is already finished (`stop_sequence`): the one stop that text
-decides, the scheduler deciding the others. A stop string wins over a token stop on the same
-token, as in vLLM. For each finished request it makes the final output (finish reason, usage,
-timings) and counts it by finish reason. Without a tokenizer there is no text and no stop string.
+whose text reached a stop string says so (`stop_sequence`): the one stop that text decides,
+the scheduler deciding the others as it calls this (Scheduler.update). For each finished
+request it makes the final output (finish reason, usage, timings). Without a tokenizer there is
+no text and no stop string.
 """
 
 from __future__ import annotations
 
-from collections import Counter
 from typing import Any
 
 import attrs
@@ -23,7 +22,6 @@ class OutputProcessor:
     def __init__(self, tokenizer: Any) -> None:
         self.tokenizer = tokenizer
         self.detokenizers: dict[str, IncrementalDetokenizer] = {}
-        self.finished = Counter[FinishReason]()  # by reason; the engine adds early aborts
 
     def add_request(self, request: Request) -> None:
         if self.tokenizer is not None:
@@ -31,14 +29,15 @@ class OutputProcessor:
                 self.tokenizer, request.prompt_token_ids, request.sampling.stop
             )
 
-    def new_token(self, request: Request, logprobs: Logprobs | None) -> RequestOutput:
-        """The delta for the request's newest token; finished if a stop string ends it there."""
+    def new_token(self, request: Request, logprobs: Logprobs | None, last: bool) -> RequestOutput:
+        """The delta for the request's newest token (`last`: a token stop ends the request
+        there); its finish reason is `stop_sequence` if a stop string ends it there."""
         token = request.output_token_ids[-1]
         text, hit_stop = "", False
         detokenizer = self.detokenizers.get(request.request_id)
         if detokenizer is not None:
             text, hit_stop = detokenizer.add(token)
-            if request.finished and not hit_stop:
+            if last and not hit_stop:
                 text += detokenizer.flush()  # the last token: nothing more will complete it
         return RequestOutput(
             request_id=request.request_id,
@@ -54,11 +53,9 @@ class OutputProcessor:
         """The last output of a request the scheduler has finished (with its last delta, if the
         request ended on a token)."""
         self.detokenizers.pop(request.request_id, None)
-        reason = delta.finish_reason if delta is not None else None
-        reason = reason or request.status.finish_reason
+        reason = request.status.finish_reason
         if reason is None:
             raise ValueError(f"request {request.request_id} is not finished")
-        self.finished[reason] += 1
         return attrs.evolve(
             delta or RequestOutput(request_id=request.request_id),
             finish_reason=reason,

@@ -25,9 +25,11 @@ A client that stops reading holds nothing others need: a paused request does not
 requests are preempted to make room (they recompute once their consumer reads again).
 
 The step goes one way: `schedule` makes a `SchedulerOutput` (plain data), the model runner
-returns a `ModelRunnerOutput`, and `update` applies it: computed tokens, then each sampled token
-and the stops a token decides (EOS, stop token ids, max_tokens, which admission keeps within the
-context length). `finish` is the one place a request ends, whatever ends it (a token stop, a
+returns a `ModelRunnerOutput`, and `update` applies it in one pass: computed tokens, then each
+sampled token, detokenised (loom/core/output_processor.py), and every stop it makes (EOS, stop
+token ids, max_tokens, which admission keeps within the context length, and stop strings): its
+output is a delta or, for a request it finished, the final one. `finish` is the one place a
+request ends, whatever ends it (a token stop, a
 stop string, an abort, a deadline, a stall, shutdown): its blocks are freed there, once. A
 request finished while its step runs keeps that finish; the step's token for it is dropped.
 """
@@ -40,9 +42,10 @@ import attrs
 
 from loom.core.block_manager import BlockManager
 from loom.core.config import SchedulerConfig
+from loom.core.output_processor import OutputProcessor
 from loom.core.prefix_cache import cache_full_blocks, cached_prefix
-from loom.core.request import Request, RequestStatus
-from loom.core.request_output import Logprobs
+from loom.core.request import FINISH_REASONS, Request, RequestStatus
+from loom.core.request_output import FinishReason, RequestOutput
 from loom.core.step import ModelRunnerOutput, SamplingInput, ScheduledSequence, SchedulerOutput
 
 
@@ -50,6 +53,7 @@ from loom.core.step import ModelRunnerOutput, SamplingInput, ScheduledSequence, 
 class Scheduler:
     config: SchedulerConfig
     block_manager: BlockManager
+    outputs: OutputProcessor = attrs.field(factory=lambda: OutputProcessor(None))
     requests: dict[str, Request] = attrs.field(factory=dict)  # unfinished: waiting or running
     waiting: deque[Request] = attrs.field(factory=deque)
     running: list[Request] = attrs.field(factory=list)
@@ -59,9 +63,13 @@ class Scheduler:
     num_generated_tokens: int = 0  # sampled and kept, all time
     prefix_cache_queries: int = 0  # tokens of the requests admitted (again after a preemption)
     prefix_cache_hits: int = 0  # of those, found in the prefix cache
+    # Ended requests by finish reason, all time: counted in `finish`, and requests aborted
+    # before they were added, counted by the engine as it drops them.
+    finished: Counter[FinishReason] = attrs.field(factory=Counter)
 
     def add_request(self, request: Request) -> None:
         self.requests[request.request_id] = request
+        self.outputs.add_request(request)
         self.waiting.append(request)
         self.num_prompt_tokens += request.num_prompt_tokens
 
@@ -201,14 +209,16 @@ class Scheduler:
             token_ids=request.token_ids(start, end),
             num_computed_tokens=start,
             block_table=self.block_manager.block_table(request.request_id),
-            sampling=sampling_input(request) if samples else None,
+            sampling=SamplingInput.of(request) if samples else None,
         )
 
     def update(
         self, output: SchedulerOutput, result: ModelRunnerOutput, now: float
-    ) -> list[tuple[Request, Logprobs | None]]:
-        """Apply a finished step. Returns the requests that received a token, with its logprobs;
-        those that the token stopped are finished already."""
+    ) -> list[tuple[Request, RequestOutput]]:
+        """Apply a finished step, in one pass: each request that received a token, with its
+        output, every stop already applied (EOS, stop token ids, max_tokens, and stop strings,
+        which win over a token stop on the same token, as in vLLM): a delta, or the final
+        output of a request the token finished."""
         for seq in output.sequences:
             request = self.requests.get(seq.request_id)
             if request is not None:  # else finished while the step ran
@@ -227,9 +237,12 @@ class Scheduler:
                 request.first_token_time = now
             self.num_generated_tokens += 1
             status = request.stop_status()
-            if status is not None:
-                self.finish(request, status)
-            advanced.append((request, logprobs))
+            delta = self.outputs.new_token(request, logprobs, last=status is not None)
+            if delta.finish_reason is FinishReason.STOP_SEQUENCE:
+                status = RequestStatus.FINISHED_STOP_SEQUENCE
+            if status is not None and self.finish(request, status):
+                delta = self.outputs.final(request, now, delta)
+            advanced.append((request, delta))
         return advanced
 
     def finish(self, request: Request, status: RequestStatus, error: str | None = None) -> bool:
@@ -246,6 +259,7 @@ class Scheduler:
         request.status = status
         request.error = error
         self.block_manager.free(request.request_id)
+        self.finished[FINISH_REASONS[status]] += 1
         return True
 
     def pause(self, request: Request, now: float) -> None:
@@ -283,14 +297,3 @@ class Scheduler:
             if r.paused_since is not None
         ]
         return min(times, default=float("inf"))
-
-
-def sampling_input(request: Request) -> SamplingInput:
-    penalised = request.sampling.has_penalties
-    return SamplingInput(
-        params=request.sampling,
-        num_output_tokens=len(request.output_token_ids),
-        eos_token_ids=request.eos_token_ids,
-        prompt_token_ids=request.prompt_token_ids if penalised else (),
-        output_token_ids=tuple(request.output_token_ids) if penalised else (),
-    )

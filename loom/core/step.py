@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import attrs
 
+from loom.core.request import Request
 from loom.core.request_output import Logprobs
 from loom.core.sampling_params import SamplingParams
 
@@ -25,6 +26,17 @@ class SamplingInput:
     eos_token_ids: tuple[int, ...]  # banned until min_tokens (unless ignore_eos)
     prompt_token_ids: tuple[int, ...] = ()
     output_token_ids: tuple[int, ...] = ()
+
+    @classmethod
+    def of(cls, request: Request) -> SamplingInput:
+        penalised = request.sampling.has_penalties
+        return cls(
+            params=request.sampling,
+            num_output_tokens=len(request.output_token_ids),
+            eos_token_ids=request.eos_token_ids,
+            prompt_token_ids=request.prompt_token_ids if penalised else (),
+            output_token_ids=tuple(request.output_token_ids) if penalised else (),
+        )
 
 
 @attrs.frozen(kw_only=True)

@@ -4,8 +4,8 @@ labelled with `model_name`) and a log line per ended request.
 Histograms and counters of events are observed in the trio thread as the events happen (a
 request ends, a token arrives, a step ends), each a few microseconds. The gauges and the
 counters the engine keeps anyway (tokens, preemptions, finishes, the prefix cache) are read on
-scrape: `EngineCollector` asks the trio thread for `Engine.stats()`, so a scrape sees one
-consistent snapshot and costs the step loop nothing between scrapes. loom/server/metrics.py
+scrape from the snapshot the engine publishes (`Engine.published_stats`): a scrape sees one
+consistent snapshot and never calls into the trio thread. loom/server/metrics.py
 serves the registry over HTTP.
 
 Requests that end early are counted by cause in `loom:request_aborted_total`:
@@ -27,7 +27,6 @@ from __future__ import annotations
 import logging
 from collections.abc import Callable, Iterator
 
-import trio
 from prometheus_client import CollectorRegistry, Counter, Histogram
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
@@ -99,7 +98,7 @@ class EngineMetrics:
         # Per token: the labelled series, looked up once (`labels` takes a lock and a dict).
         self.observe_itl: Callable[[float], None] = lambda seconds: None
 
-    def opened(self, model_name: str, stats: Callable[[], EngineStats]) -> None:
+    def opened(self, model_name: str, stats: Callable[[], EngineStats | None]) -> None:
         """The model is loaded: label with its name, and read the engine's gauges on scrape."""
         self.model_name = model_name
         self.observe_itl = self.itl.labels(model_name).observe
@@ -147,14 +146,13 @@ class EngineMetrics:
 class EngineCollector(Collector):
     """The gauges and the engine's own counters, from one `Engine.stats()` per scrape."""
 
-    def __init__(self, model_name: str, stats: Callable[[], EngineStats]) -> None:
+    def __init__(self, model_name: str, stats: Callable[[], EngineStats | None]) -> None:
         self.model_name = model_name
-        self.stats = stats  # called in the scraping thread; must be thread-safe
+        self.stats = stats  # called in the scraping thread: reads a published snapshot
 
     def collect(self) -> Iterator[Metric]:
-        try:
-            s = self.stats()
-        except (trio.RunFinishedError, EngineDeadError):  # stopped: its gauges are gone
+        s = self.stats()
+        if s is None:  # nothing published yet
             return
         label = [self.model_name]
 

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import attrs
 
-from loom.core.output_processor import OutputProcessor
 from loom.core.scheduler import Scheduler
 from loom.engine.config import EngineConfig
 from loom.model.model_runner import ModelRunner
@@ -27,7 +26,7 @@ class EngineStats:
     prefix_cache_hits: int  # of those, found in the prefix cache
 
     @classmethod
-    def of(cls, scheduler: Scheduler, outputs: OutputProcessor, *, num_pending: int) -> EngineStats:
+    def of(cls, scheduler: Scheduler, *, num_pending: int) -> EngineStats:
         return cls(
             num_running=scheduler.num_active(),
             num_waiting=scheduler.num_waiting() + num_pending,
@@ -38,7 +37,7 @@ class EngineStats:
             num_chunked_prefills=scheduler.num_chunked_prefills,
             num_prompt_tokens=scheduler.num_prompt_tokens,
             num_generated_tokens=scheduler.num_generated_tokens,
-            finished={reason.value: n for reason, n in outputs.finished.items()},
+            finished={reason.value: n for reason, n in scheduler.finished.items()},
             num_cached_blocks=scheduler.block_manager.num_cached_blocks,
             prefix_cache_queries=scheduler.prefix_cache_queries,
             prefix_cache_hits=scheduler.prefix_cache_hits,

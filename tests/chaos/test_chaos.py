@@ -28,7 +28,8 @@ def chaos(*args: str) -> tuple[int, dict]:  # type: ignore[type-arg]
 
 
 def test_chaos_passes_a_healthy_server_in_every_scenario() -> None:
-    code, report = chaos("--serve", f"{SIM} --stall-timeout 0.5", "--stop-for", "3")
+    serve = f"{SIM} --stall-timeout 0.5 --preface-timeout 1 --header-timeout 1"
+    code, report = chaos("--serve", serve, "--stop-for", "3", "--hold-wait", "5")
     by_name = {s["name"]: s for s in report["scenarios"]}
     assert list(by_name) == list(SCENARIOS)
     problems = {name: s["problems"] for name, s in by_name.items() if s["problems"]}
@@ -47,6 +48,19 @@ def test_chaos_passes_a_healthy_server_in_every_scenario() -> None:
     assert outcomes == {"released": 64, "RESOURCE_EXHAUSTED": refused, "ok": 768 - refused}
     assert by_name["deadlines"]["outcomes"]["ok"] >= 5  # the ample ones at least
     assert by_name["drain"]["outcomes"] == {"ok": 10}
+    assert by_name["rapid-reset"]["outcomes"] == {"pairs: GOAWAY ENHANCE_YOUR_CALM": 1}
+    flood = by_name["control-flood"]["outcomes"]
+    assert flood["ping: GOAWAY ENHANCE_YOUR_CALM"] == flood["settings: GOAWAY ENHANCE_YOUR_CALM"]
+    assert by_name["slowloris"]["outcomes"] == {"closed by the server": 50}
+    assert by_name["header-fragments"]["outcomes"] == {"closed by the server": 51}
+
+
+def test_chaos_against_an_address_runs_every_scenario_but_drain() -> None:
+    timeouts = ["--preface-timeout", "1", "--header-timeout", "1"]
+    with launched_process([*SIM.split(), *timeouts]) as (port, _):
+        code, report = chaos("--address", f"127.0.0.1:{port}", "--hold-wait", "5")
+    assert [s["name"] for s in report["scenarios"]] == [n for n in SCENARIOS if n != "drain"]
+    assert (code, report["ok"]) == (0, True), report
 
 
 def test_chaos_fails_against_a_server_that_leaks_a_block_per_abort() -> None:

@@ -190,14 +190,13 @@ async def test_engine_stop_string_on_the_last_allowed_token_wins_over_length(
 
 
 class FailingDecode:
-    """SmolLM2's tokenizer, whose `decode` raises from its `fail_at`-th call on."""
+    """SmolLM2's tokenizer, whose `decode` raises for any ids that hold `poison`."""
 
-    def __init__(self, tokenizer: Any, fail_at: int) -> None:
-        self.tokenizer, self.fail_at, self.calls = tokenizer, fail_at, 0
+    def __init__(self, tokenizer: Any, poison: int) -> None:
+        self.tokenizer, self.poison = tokenizer, poison
 
     def decode(self, ids: list[int], **kwargs: Any) -> str:
-        self.calls += 1
-        if self.calls >= self.fail_at:
+        if self.poison in ids:
             raise RuntimeError("injected decode fault")
         return str(self.tokenizer.decode(ids, **kwargs))
 
@@ -205,33 +204,42 @@ class FailingDecode:
         return getattr(self.tokenizer, name)
 
 
-async def test_engine_crash_while_publishing_still_ends_the_stream(smollm2_tokenizer: Any) -> None:
-    """The step's last token finishes the request (max_tokens) in the scheduler, then
-    detokenising it crashes the engine: the request's consumer still gets an error."""
-    tokenizer = FailingDecode(smollm2_tokenizer, fail_at=5)  # 2 decodes a token: the 3rd fails
+async def test_engine_crash_while_publishing_still_ends_every_stream(
+    smollm2_tokenizer: Any,
+) -> None:
+    """A and B sample in the same step: A's token finishes it (max_tokens=1), then
+    detokenising B's crashes the engine before A's final output was published. A's consumer
+    still gets an error (its request was finished, its stream not), and so does B's (its
+    request ended by the engine's stop)."""
+    tokenizer = FailingDecode(smollm2_tokenizer, poison=7)
     loaded = tiny_model("llama", vocab_size=len(smollm2_tokenizer), tokenizer=tokenizer)
     engine = Engine(EngineConfig(), lambda: loaded)
-    outputs: list[RequestOutput] = []
-    errors: list[BaseException] = []
+    outputs: dict[str, list[RequestOutput]] = {"a": [], "b": []}
+    errors: dict[str, list[BaseException]] = {"a": [], "b": []}
 
     async def run_engine(task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
         with pytest.RaisesGroup(RuntimeError, flatten_subgroups=True):
             await engine.run(task_status=task_status)
 
-    async def consume(stream: RequestStream) -> None:
+    async def consume(name: str, stream: RequestStream) -> None:
         try:
             async for output in stream.outputs():
-                outputs.append(output)
+                outputs[name].append(output)
         except EngineDeadError as exc:
-            errors.append(exc)
+            errors[name].append(exc)
 
     with trio.fail_after(30):
         async with trio.open_nursery() as nursery:
             await nursery.start(run_engine)
-            nursery.start_soon(consume, engine.submit([1, 2], SamplingParams(max_tokens=3)))
-    assert len(outputs) == 2
-    (error,) = errors
-    assert str(error) == CRASHED
+            a = engine.submit([1, 2], SamplingParams(max_tokens=1))
+            b = engine.submit([7, 7], SamplingParams(max_tokens=5))
+            nursery.start_soon(consume, "a", a)
+            nursery.start_soon(consume, "b", b)
+    assert outputs["a"] == []
+    assert [str(e) for e in errors["a"]] == [CRASHED]
+    assert errors["b"] == []
+    assert outputs["b"][-1].finish_reason is FinishReason.ERROR
+    assert outputs["b"][-1].error == CRASHED
     assert_idle(engine)
 
 

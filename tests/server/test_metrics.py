@@ -23,9 +23,10 @@ from loom.engine.config import EngineConfig
 from loom.engine.engine import Engine, RunnerFactory
 from loom.model.loader import LoadedModel
 from loom.model.model_runner import ModelRunner
+from loom.server.boundary.config import BoundaryConfig
 from loom.server.config import ServerConfig
-from loom.server.metrics import JsonFormatter
-from loom.server.server import LoomServer
+from loom.server.metrics import RENDER_SECONDS, JsonFormatter
+from loom.server.supervisor import Supervisor
 from loom.v1.loom_grpc import LoomStub
 from tests.faults import calling_before_each_step
 from tests.grpc_client import (
@@ -45,8 +46,9 @@ async def serving_metrics(
     loaded: LoadedModel, make_runner: RunnerFactory = ModelRunner
 ) -> AsyncIterator[tuple[int, int]]:
     engine = Engine(EngineConfig(), lambda: loaded, make_runner=make_runner)
-    config = ServerConfig(port=0, metrics_port=0, drain_timeout=5, max_request_bytes=32768)
-    server = LoomServer(engine, config)
+    boundary = BoundaryConfig(max_request_bytes=32768)
+    config = ServerConfig(port=0, metrics_port=0, drain_timeout=5, boundary=boundary)
+    server = Supervisor(engine, config)
     async with trio.open_nursery() as nursery:
         port = await nursery.start(server.run)
         assert server.metrics_port is not None
@@ -110,6 +112,7 @@ async def test_metrics_names_types_labels_and_counts_match_the_workload(
                 await in_asyncio(generate, port, greedy([1] * 40000, 5))
             assert too_large.value.status is Status.RESOURCE_EXHAUSTED
             await wait_all_blocks_free(port)
+            await trio.sleep(RENDER_SECONDS)  # a page is at most that old
             types, after = await scrape(metrics_port)
 
     expected_types = {

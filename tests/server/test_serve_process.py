@@ -23,7 +23,7 @@ from grpclib.exceptions import StreamTerminatedError
 from grpclib.health.v1.health_grpc import HealthStub
 from grpclib.health.v1.health_pb2 import HealthCheckRequest
 
-from loom.server.server import DRAIN_GRACE
+from loom.server.drain import GRACE as DRAIN_GRACE
 from loom.v1 import loom_pb2 as pb
 from loom.v1.loom_grpc import LoomStub
 from tests.grpc_client import HOST, NOT_SERVING, SMALL_WINDOWS, greedy, token_ids

@@ -32,7 +32,7 @@ from loom.engine.config import EngineConfig
 from loom.engine.engine import Engine
 from loom.model.loader import LoadedModel
 from loom.server.config import ServerConfig
-from loom.server.server import LoomServer
+from loom.server.supervisor import Supervisor
 from loom.v1 import loom_pb2 as pb
 from loom.v1.loom_grpc import LoomStub
 from tests.conftest import tiny_model
@@ -309,7 +309,7 @@ async def probe_across_the_load(
         await watch.cancel()
 
 
-async def wait_engine_loaded(server: LoomServer) -> None:
+async def wait_engine_loaded(server: Supervisor) -> None:
     while not server.engine.loaded:  # noqa: ASYNC110 (engine state, no event for it)
         await trio.sleep(0.02)
 
@@ -482,7 +482,7 @@ async def test_server_engine_crash_fails_live_streams_with_unavailable(
     tiny_chat: LoadedModel,
 ) -> None:
     engine = Engine(EngineConfig(), lambda: tiny_chat, make_runner=failing_at(20))
-    server = LoomServer(engine, ServerConfig(port=0))
+    server = Supervisor(engine, ServerConfig(port=0))
     errors: list[GRPCError] = []
     with trio.fail_after(30), pytest.RaisesGroup(RuntimeError, flatten_subgroups=True):
         async with trio.open_nursery() as nursery:

@@ -1,0 +1,176 @@
+"""What the engine works with once its model is loaded, built whole at once: the model runner,
+the scheduler (with its block manager and output processor), admission, and the streams of the
+admitted requests; and the loop that steps them.
+
+    submit ──▶ Admission ── admission task: tokenise, check ──▶ admit: scheduler.add_request
+                                                                          │
+    stepping loop: expire deadlines and stalls ──▶ scheduler.schedule ────┘
+        │ SchedulerOutput (plain data)
+        ▼
+    worker thread: runner.execute_model (forward, LM head on sampling rows, sample)
+        │ ModelRunnerOutput (plain data)
+        ▼
+    scheduler.update, one pass: tokens applied, detokenised, every stop made, finished
+        │ (request, delta or final output), each request that received a token
+        ▼
+    publish: push the delta (pausing a request whose buffer is full), or end the stream
+
+The stepping loop owns all request state between steps. Aborts and resumes from consumers run
+in the trio thread and take effect at once; a request finished while its step runs keeps its
+finish. Steps, tokens and ended requests are counted in `EngineMetrics`, each ended request
+logs a line, and the stats a scrape reads are published here (`publish_stats`).
+"""
+
+from __future__ import annotations
+
+import time
+
+import trio
+
+from loom.core.block_manager import BlockManager
+from loom.core.errors import EngineDeadError
+from loom.core.output_processor import OutputProcessor
+from loom.core.request import Request, RequestStatus
+from loom.core.request_output import FinishReason, RequestOutput
+from loom.core.scheduler import Scheduler
+from loom.core.step import SchedulerOutput
+from loom.engine.admission import Admission, Submission
+from loom.engine.config import EngineConfig
+from loom.engine.metrics import EngineMetrics, log_request
+from loom.engine.request_stream import RequestStream
+from loom.engine.stats import EngineStats
+from loom.model.loader import LoadedModel
+from loom.model.model_runner import ModelRunner
+
+STATS_EVERY = 0.1  # seconds between the stats published for scrapes while stepping
+
+
+class EngineCore:
+    def __init__(
+        self,
+        config: EngineConfig,
+        loaded: LoadedModel,
+        runner: ModelRunner,
+        metrics: EngineMetrics,
+    ) -> None:
+        self.config = config
+        self.runner = runner
+        self.metrics = metrics
+        self.model_name = loaded.name
+        blocks = BlockManager(
+            runner.num_blocks,
+            runner.block_size,
+            enable_caching=config.cache.enable_prefix_caching,
+        )
+        self.scheduler = Scheduler(config.scheduler, blocks, OutputProcessor(loaded.tokenizer))
+        self.admission = Admission.for_model(config, loaded, runner, self.scheduler)
+        self.admission.on_refused = metrics.refused
+        self.streams: dict[str, RequestStream] = {}  # admitted, unfinished requests
+        self.wakeup = trio.Event()
+        self.limiter = trio.CapacityLimiter(1)
+        # The stats a scrape reads, from another thread (loom/server/metrics.py).
+        self.published_stats: EngineStats | None = None
+        self.published_at = float("-inf")
+        self.published_shape = (0, 0, 0)
+
+    async def run(self) -> None:
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(self.admission_task)
+            nursery.start_soon(self.stepping_loop)
+
+    async def admission_task(self) -> None:
+        await self.admission.run(self.admit)
+        self.wakeup.set()  # done: the stepping loop may end
+
+    def admit(self, submission: Submission, request: Request) -> None:
+        self.streams[request.request_id] = submission.stream
+        self.scheduler.add_request(request)
+        self.wakeup.set()
+
+    async def stepping_loop(self) -> None:
+        while True:
+            self.wakeup = trio.Event()
+            self.expire(trio.current_time())
+            output = self.scheduler.schedule(trio.current_time())
+            if output is not None:
+                self.publish_stats(every=STATS_EVERY)
+                await self.step(output)
+            elif self.admission.done and not self.scheduler.has_unfinished():
+                self.publish_stats()
+                return
+            else:
+                self.publish_stats()
+                with trio.move_on_at(self.scheduler.next_timer(self.config.stall_timeout)):
+                    await self.wakeup.wait()
+
+    async def step(self, output: SchedulerOutput) -> None:
+        start = time.perf_counter()
+        result = await trio.to_thread.run_sync(
+            self.runner.execute_model, output, limiter=self.limiter, abandon_on_cancel=False
+        )
+        self.metrics.stepped(len(output.sequences), time.perf_counter() - start)
+        now = trio.current_time()
+        for request, out in self.scheduler.update(output, result, now):
+            self.publish(request, out, now)
+
+    def publish(self, request: Request, output: RequestOutput, now: float) -> None:
+        """A request's new token: pushed to its stream (pausing the request when the stream is
+        full), or, the request finished, its stream ended."""
+        self.metrics.token(request, now)
+        if output.finished:
+            self.end_stream(request, output, now)
+        elif self.streams[request.request_id].push(output):
+            self.scheduler.pause(request, now)
+
+    def expire(self, now: float) -> None:
+        for request, status, error in self.scheduler.expired(now, self.config.stall_timeout):
+            self.finish(request, status, error=error)
+
+    def finish(self, request: Request, status: RequestStatus, *, error: str) -> None:
+        """End a request that no token ended (an abort, a deadline, a stall, shutdown)."""
+        if self.scheduler.finish(request, status, error):
+            now = trio.current_time()
+            self.end_stream(request, self.scheduler.outputs.final(request, now), now)
+
+    def end_stream(self, request: Request, final: RequestOutput, now: float) -> None:
+        self.metrics.ended(request, now)
+        log_request(request, final)
+        self.streams.pop(request.request_id).push(final)
+
+    def abort(self, request_id: str) -> None:
+        """Finish a request as ABORTED and free its blocks. Safe for unknown or finished ids."""
+        if self.admission.abort(request_id):  # not admitted yet: the admission task drops it
+            self.scheduler.finished[FinishReason.ABORTED] += 1
+            self.metrics.cancelled()
+            return
+        request = self.scheduler.requests.get(request_id)
+        if request is not None:
+            self.finish(request, RequestStatus.FINISHED_ABORTED, error="aborted")
+            self.wakeup.set()
+
+    def resume(self, request_id: str) -> None:
+        """The consumer drained a full buffer: schedule the request again."""
+        if self.scheduler.resume(request_id):
+            self.wakeup.set()
+
+    def stats(self) -> EngineStats:
+        return EngineStats.of(self.scheduler, num_pending=len(self.admission.pending))
+
+    def publish_stats(self, every: float = 0.0) -> None:
+        """Publish the stats for scrapes: now, or, with `every`, once that long has passed or
+        requests have come or gone (counted in O(1): a step can last long)."""
+        now = time.monotonic()
+        scheduler = self.scheduler
+        shape = (len(scheduler.running), len(scheduler.waiting), len(scheduler.requests))
+        if now - self.published_at >= every or shape != self.published_shape:
+            self.published_stats, self.published_at = self.stats(), now
+            self.published_shape = shape
+
+    def stop(self, reason: str) -> None:
+        """End every live request with an error; take no new ones."""
+        for request in list(self.scheduler.requests.values()):
+            self.finish(request, RequestStatus.FINISHED_ERROR, error=reason)
+        self.admission.close(EngineDeadError(reason))
+        for stream in self.streams.values():  # finished in a step that then crashed mid-publish
+            stream.fail(EngineDeadError(reason))
+        self.streams.clear()

@@ -1,0 +1,294 @@
+"""One gRPC call on one HTTP/2 stream: what a handler is given, with grpclib's server `Stream`
+API (`recv_message`, `async for`, `send_message`, `send_trailing_metadata`, `cancel`,
+`deadline`, `metadata`, `peer`, `user_agent`), so grpclib's servicers (health, reflection,
+the generated loom.v1 base) run on it unchanged.
+
+Reading: a request message is read whole, as its 5-byte prefix declares: a compressed one is
+INVALID_ARGUMENT, one over `max_request_bytes` RESOURCE_EXHAUSTED, unread; its declared size
+is taken from the server-wide `RequestBudget` until it is decoded (RESOURCE_EXHAUSTED when the
+budget cannot cover it); the first message must be whole within `request_timeout` of the
+stream's start (or by the client's deadline, if sooner: DEADLINE_EXCEEDED). Bytes are
+acknowledged to HTTP/2 flow control as they are taken, so a stream holds at most its window
+of unread data. A frame that is cut short or does not parse is INVALID_ARGUMENT.
+
+Ending: a call ends once, by the first of: its trailers sent, a reset either way, the
+connection lost. `when_ended` callbacks run at that moment, in the connection's event, before
+any task is scheduled: what must not outlive the call (an engine request) is released there,
+whatever its handler is doing. A handler still running is then cancelled; every later send
+raises StreamTerminatedError and writes nothing.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import struct
+from collections.abc import AsyncIterator, Callable
+from typing import TYPE_CHECKING, Any
+
+from google.protobuf.message import DecodeError
+from grpclib import GRPCError, Status
+from grpclib.exceptions import StreamTerminatedError
+from grpclib.metadata import Deadline, decode_metadata, encode_grpc_message, encode_metadata
+from multidict import MultiDict
+
+from loom.server.boundary.frames import CONTENT_TYPE
+
+if TYPE_CHECKING:
+    from loom.server.boundary.connection import Connection
+
+PREFIX = struct.Struct(">?I")
+
+
+def framed(message: Any) -> bytes:
+    """A message as gRPC frames it: a compressed flag, its length, its bytes."""
+    body: bytes = message.SerializeToString()
+    return PREFIX.pack(False, len(body)) + body
+
+
+class Peer:
+    def __init__(self, address: Any) -> None:
+        self.address = address
+
+    def addr(self) -> Any:
+        """The peer's (host, port)."""
+        return self.address
+
+    def cert(self) -> None:
+        return None  # no TLS (yet)
+
+
+class Call:
+    def __init__(
+        self,
+        connection: Connection,
+        stream_id: int,
+        path: str,
+        method: Any,  # grpclib.const.Handler: func, cardinality, request_type, reply_type
+        headers: list[tuple[str, str]],
+        deadline: Deadline | None,
+    ) -> None:
+        self.connection = connection
+        self.stream_id = stream_id
+        self.path = path
+        self.method = method
+        self.deadline = deadline
+        self.metadata = decode_metadata(headers)
+        self.user_agent = dict(headers).get("user-agent")
+        self.peer = Peer(connection.peer_address)
+        self.started = asyncio.get_running_loop().time()
+        self.inbound = bytearray()
+        self.num_acknowledged = 0  # of `inbound`'s first bytes, given back to the peer's window
+        self.input_ended = False
+        self.readable = asyncio.Event()
+        self.window_open = asyncio.Event()
+        self.num_received = 0
+        self.headers_sent = False
+        self.trailers_sent = False
+        self.ended: str | None = None  # why, once it has
+        self.on_end: list[Callable[[], object]] = []
+        self.on_arrival: Callable[[], object] | None = None  # the drain counts arrivals
+        self.task: asyncio.Task[None] | None = None
+
+    # What the connection tells the call.
+
+    def received(self, data: bytes) -> None:
+        self.inbound += data
+        self.readable.set()
+
+    def end_of_input(self) -> None:
+        self.input_ended = True
+        self.readable.set()
+
+    def end(self, why: str) -> bool:
+        """The call is over (idempotent): callbacks run now, a running handler is cancelled.
+        False if it had ended already."""
+        if self.ended is not None:
+            return False
+        self.ended = why
+        callbacks, self.on_end = self.on_end, []
+        for callback in callbacks:
+            callback()
+        self.readable.set()
+        self.window_open.set()
+        if self.task is not None and self.task is not asyncio.current_task():
+            self.task.cancel()
+        return True
+
+    def when_ended(self, callback: Callable[[], object]) -> None:
+        """Run `callback` when the call ends (at once, if it has)."""
+        if self.ended is not None:
+            callback()
+        else:
+            self.on_end.append(callback)
+
+    def arrived(self) -> None:
+        """The call has been handed to the engine (or refused by it): once."""
+        hook, self.on_arrival = self.on_arrival, None
+        if hook is not None:
+            hook()
+
+    def check_open(self) -> None:
+        if self.ended is not None:
+            raise StreamTerminatedError(self.ended)
+
+    # Reading.
+
+    async def recv_message(self) -> Any:
+        """The next request message, or None at the end of the client's messages. The first
+        must be whole within `request_timeout` of the stream's start; a later one, within
+        `request_timeout` of its prefix."""
+        limit = self.connection.config.request_timeout
+        first = self.num_received == 0
+        async with self.in_time(self.started + limit if first else None):
+            prefix = await self.read(PREFIX.size)
+        if not prefix:
+            return None
+        compressed, size = PREFIX.unpack(prefix)
+        if compressed:
+            raise GRPCError(
+                Status.INVALID_ARGUMENT, "compressed request messages are not supported"
+            )
+        self.check_size(size)
+        budget = self.connection.budget
+        try:
+            budget.take(size)
+        except GRPCError:
+            self.connection.refused("max_buffered_request_bytes")
+            raise
+        try:
+            loop = asyncio.get_running_loop()
+            async with self.in_time(self.started + limit if first else loop.time() + limit):
+                body = await self.read(size)
+        finally:
+            budget.give(size)
+        if len(body) < size:
+            raise GRPCError(Status.INVALID_ARGUMENT, "the request message is cut short")
+        self.num_received += 1
+        try:
+            return self.method.request_type.FromString(body)
+        except DecodeError as exc:
+            raise GRPCError(
+                Status.INVALID_ARGUMENT, f"the request message does not parse: {exc}"
+            ) from exc
+
+    def check_size(self, size: int) -> None:
+        limit = self.connection.config.max_request_bytes
+        if size > limit:
+            self.connection.refused("max_request_bytes")
+            raise GRPCError(
+                Status.RESOURCE_EXHAUSTED,
+                f"the request message has {size} bytes; the limit is max_request_bytes={limit}",
+            )
+
+    @contextlib.asynccontextmanager
+    async def in_time(self, due: float | None) -> AsyncIterator[None]:
+        """The block, by `due` (loop time) and by the client's deadline, whichever comes
+        first: DEADLINE_EXCEEDED for the client's, RESOURCE_EXHAUSTED for the server's."""
+        loop = asyncio.get_running_loop()
+        client_due = None
+        if self.deadline is not None:
+            client_due = loop.time() + self.deadline.time_remaining()
+        dues = [d for d in (due, client_due) if d is not None]
+        try:
+            async with asyncio.timeout_at(min(dues) if dues else None):
+                yield
+        except TimeoutError:
+            if client_due is not None and (due is None or client_due <= due):
+                raise GRPCError(
+                    Status.DEADLINE_EXCEEDED, "the deadline passed before the request came"
+                ) from None
+            self.connection.refused("request_timeout")
+            limit = self.connection.config.request_timeout
+            raise GRPCError(
+                Status.RESOURCE_EXHAUSTED,
+                f"no whole request message within request_timeout={limit} s",
+            ) from None
+
+    async def read(self, size: int) -> bytes:
+        """`size` bytes of the request stream; b"" at its end (INVALID_ARGUMENT when it ends
+        inside them). What the read will take is acknowledged as it comes, so that the peer
+        may send the rest; what lies beyond stays unacknowledged, within the stream's window."""
+        while True:
+            self.acknowledge(min(len(self.inbound), size))
+            if len(self.inbound) >= size or self.input_ended:
+                break
+            self.check_open()
+            self.readable.clear()
+            await self.readable.wait()
+        self.check_open()
+        data = bytes(self.inbound[:size])
+        del self.inbound[:size]
+        self.num_acknowledged -= len(data)
+        if data and len(data) < size:
+            raise GRPCError(Status.INVALID_ARGUMENT, "the request message is cut short")
+        return data
+
+    def acknowledge(self, upto: int) -> None:
+        """The first `upto` bytes of `inbound` are (or will be) taken: give them back to the
+        peer's window."""
+        if upto > self.num_acknowledged:
+            self.connection.out.acknowledge(self.stream_id, upto - self.num_acknowledged)
+            self.num_acknowledged = upto
+
+    def __aiter__(self) -> AsyncIterator[Any]:
+        return self
+
+    async def __anext__(self) -> Any:
+        message = await self.recv_message()
+        if message is None:
+            raise StopAsyncIteration
+        return message
+
+    # Writing.
+
+    async def send_initial_metadata(self, *, metadata: Any = None) -> None:
+        if self.headers_sent:
+            raise RuntimeError("initial metadata was already sent")
+        headers = [(":status", "200"), ("content-type", CONTENT_TYPE)]
+        headers += encode_metadata(MultiDict(metadata or ()))
+        await self.connection.out.send_headers(self, headers)
+        self.headers_sent = True
+
+    async def send_message(self, message: Any) -> None:
+        if not self.headers_sent:
+            await self.send_initial_metadata()
+        await self.connection.out.send_data(self, framed(message))
+
+    def send_message_nowait(self, message: Any) -> bool:
+        """Send `message` at once if the connection can take it whole now (writable, window for
+        all of it): True. False when it would have to wait (nothing of it sent then)."""
+        data = framed(message)
+        if not self.connection.out.can_send(self, len(data)):
+            return False
+        if not self.headers_sent:
+            self.connection.out.write_headers(
+                self, [(":status", "200"), ("content-type", CONTENT_TYPE)]
+            )
+            self.headers_sent = True
+        self.connection.out.write_data(self, data)
+        return True
+
+    async def send_trailing_metadata(
+        self,
+        *,
+        status: Status = Status.OK,
+        status_message: str | None = None,
+        status_details: Any = None,
+        metadata: Any = None,
+    ) -> None:
+        """The call's status (trailers-only when nothing was sent before); then, if the client
+        is still sending, a RST_STREAM(NO_ERROR) asks it to stop (RFC 9113 §8.1)."""
+        if self.trailers_sent:
+            raise RuntimeError("trailing metadata was already sent")
+        headers = [] if self.headers_sent else [(":status", "200"), ("content-type", CONTENT_TYPE)]
+        headers.append(("grpc-status", str(status.value)))
+        if status_message is not None:
+            headers.append(("grpc-message", encode_grpc_message(status_message)))
+        headers += encode_metadata(MultiDict(metadata or ()))
+        self.trailers_sent = True
+        await self.connection.out.send_headers(self, headers, end_stream=True)
+
+    async def cancel(self) -> None:
+        """RST_STREAM(CANCEL): the client learns there is nothing more to expect."""
+        self.connection.out.reset(self)

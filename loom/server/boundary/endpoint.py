@@ -1,0 +1,188 @@
+"""The gRPC endpoint, in the server's asyncio thread: the listener (its caps,
+loom/server/boundary/listener.py), the connections it accepted, the services their calls go to
+(grpclib servables: `__mapping__()` names each method's handler and message types), the
+server-wide request budget, each refusal counted by the limit that made it, and what each
+drain phase (loom/server/drain.py) means for the connections.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import socket
+from collections.abc import Callable, Iterable
+from typing import Any
+
+from grpclib import GRPCError, Status
+from grpclib.exceptions import StreamTerminatedError
+from h2.errors import ErrorCodes
+
+from loom.server.boundary.call import Call
+from loom.server.boundary.config import BoundaryConfig
+from loom.server.boundary.connection import Connection
+from loom.server.boundary.frames import GENERATE_PATH
+from loom.server.boundary.listener import Listener
+from loom.server.bridge import Count
+from loom.server.drain import DrainPhase
+
+log = logging.getLogger(__name__)
+
+
+class RequestBudget:
+    """Request bytes being received at once, server-wide (the asyncio thread's own count)."""
+
+    def __init__(self, limit: int) -> None:
+        self.limit = limit
+        self.taken = 0
+
+    def take(self, size: int) -> None:
+        if self.taken + size > self.limit:
+            raise GRPCError(
+                Status.RESOURCE_EXHAUSTED,
+                f"the server is receiving {self.taken} bytes of request messages; this one's "
+                f"{size} would exceed max_buffered_request_bytes={self.limit}",
+            )
+        self.taken += size
+
+    def give(self, size: int) -> None:
+        self.taken -= size
+
+
+class Endpoint:
+    def __init__(
+        self, services: Iterable[Any], config: BoundaryConfig, on_refused: Callable[[str], None]
+    ) -> None:
+        self.mapping: dict[str, Any] = {}
+        for service in services:
+            self.mapping.update(service.__mapping__())
+        self.config = config
+        self.on_refused = on_refused
+        self.budget = RequestBudget(config.max_buffered_request_bytes)
+        self.listener = Listener(config, self.accepted, self.refused)
+        self.connections: set[Connection] = set()
+        self.setting_up: set[asyncio.Task[Any]] = set()  # accepted, not yet connected
+        self.num_connections = Count()
+        self.unheard = Count()  # told to go away, not yet heard; and backlog being accepted
+        self.arriving = Count()  # Generate calls admitted, not yet handed to the engine
+        self.num_in_flight = Count()  # Generate calls not yet ended (their last message sent)
+        self.phase = DrainPhase.SERVING
+
+    async def start(self, host: str, port: int) -> int:
+        """Listen; the bound port (`port` 0 picks one)."""
+        return self.listener.listen(host, port)
+
+    @property
+    def refusing(self) -> bool:
+        return self.phase in (DrainPhase.REFUSING, DrainPhase.CLOSED)
+
+    # Connections
+
+    def accepted(self, sock: socket.socket, host: str) -> None:
+        """A connection within the caps: its protocol is made on the loop's next turns. In a
+        drain, it counts as unheard until connected (then told, like the others)."""
+        loop = asyncio.get_running_loop()
+        task = loop.create_task(loop.connect_accepted_socket(lambda: Connection(self, host), sock))
+        self.setting_up.add(task)
+
+        def done(task: asyncio.Task[Any]) -> None:
+            self.setting_up.discard(task)
+            if task.cancelled() or task.exception() is not None:
+                log.warning("a connection from %s failed to start: %r", host, task)
+                self.listener.released(host)
+                sock.close()
+
+        task.add_done_callback(done)
+        if self.phase is not DrainPhase.SERVING:
+            self.wait_for_setup(task)
+
+    def wait_for_setup(self, task: asyncio.Task[Any]) -> None:
+        self.unheard.add(1)
+        task.add_done_callback(lambda _: self.unheard.add(-1))
+
+    def connected(self, connection: Connection) -> None:
+        self.connections.add(connection)
+        self.num_connections.add(1)
+        if self.phase is DrainPhase.ANNOUNCED:
+            connection.announce_drain()
+        elif self.refusing:
+            connection.refuse_new_calls()
+
+    def disconnected(self, connection: Connection) -> None:
+        if connection in self.connections:
+            self.connections.remove(connection)
+            self.num_connections.add(-1)
+            self.listener.released(connection.host)
+
+    def refused(self, cause: str) -> None:
+        self.on_refused(cause)
+
+    # Calls
+
+    def opened(self, call: Call) -> None:
+        """A call admitted: a Generate call is counted as arriving until its handler has handed
+        it to the engine (`Call.arrived`) or it ended (loom/server/drain.py waits for them)."""
+        if call.path == GENERATE_PATH:
+            self.arriving.add(1)
+            self.num_in_flight.add(1)
+            call.on_arrival = lambda: self.arriving.add(-1)
+            call.when_ended(call.arrived)
+            call.when_ended(lambda: self.num_in_flight.add(-1))
+
+    async def serve(self, call: Call) -> None:
+        """Run a call's handler; its status (OK, its GRPCError's, or UNKNOWN for a bug) ends
+        it, unless the call ended under it."""
+        method = call.method
+        try:
+            await method.func(call)
+            if not method.cardinality.server_streaming and not call.headers_sent:
+                raise GRPCError(Status.UNKNOWN, "Internal Server Error")  # a unary call's reply
+            await end_with(call, Status.OK, None)
+        except GRPCError as exc:
+            await end_with(call, exc.status, exc.message)
+        except (StreamTerminatedError, asyncio.CancelledError):
+            pass  # the call ended under it (a reset, the connection lost): nothing to send
+        except Exception:
+            log.exception("the handler of %s failed", method.func.__qualname__)
+            await end_with(call, Status.UNKNOWN, "Internal Server Error")
+        finally:
+            call.connection.streams.release(call, "done")
+
+    # The drain
+
+    def enter(self, phase: DrainPhase) -> None:
+        """What a drain phase means here (loom/server/drain.py)."""
+        self.phase = phase
+        if phase is DrainPhase.ANNOUNCED:
+            for task in self.setting_up:
+                self.wait_for_setup(task)
+            self.stop_listening()
+            for connection in list(self.connections):
+                connection.announce_drain()
+        elif phase is DrainPhase.REFUSING:
+            for connection in list(self.connections):
+                connection.refuse_new_calls()
+
+    def stop_listening(self) -> None:
+        """Accept no new connections (after those in the backlog); open ones carry on."""
+        taken = self.listener.close()
+        if taken:
+            log.info("took %d connections from the listen backlog", taken)
+
+    async def close(self) -> None:
+        """Stop: every connection still open is sent GOAWAY and closed, its calls ended."""
+        self.listener.close()
+        self.phase = DrainPhase.CLOSED
+        for connection in list(self.connections):
+            connection.close("the server stopped", error_code=ErrorCodes.NO_ERROR)
+        await asyncio.sleep(0)
+        for connection in list(self.connections):
+            if connection.transport is not None:
+                connection.transport.abort()
+        await asyncio.sleep(0)  # the transports close their sockets on the next loop turn
+
+
+async def end_with(call: Call, status: Status, message: str | None) -> None:
+    if call.ended is None and not call.trailers_sent:
+        with contextlib.suppress(StreamTerminatedError):
+            await call.send_trailing_metadata(status=status, status_message=message)

@@ -1,0 +1,116 @@
+"""The streams of one connection: each opened stream is either answered at once (draining, over
+the streams limit, not a gRPC call, a malformed grpc-timeout: no handler runs) or served by a
+Call and its handler task (Endpoint.serve); fed its data; ended by the peer's reset; released
+once. The count of open calls is what `max_streams_per_connection` bounds, kept here, on the
+connection, not keyed by the peer's address.
+
+A stream that the peer opens and resets in one read never has its handler run: the task,
+cancelled before its first step, is dropped, and the stream is released here, not by it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from typing import TYPE_CHECKING
+
+import h2.events
+from grpclib import Status
+from grpclib.metadata import Deadline
+
+from loom.server.boundary.call import Call
+from loom.server.boundary.frames import stream_refusal, trailers
+
+if TYPE_CHECKING:
+    from loom.server.boundary.connection import Connection
+
+
+class Streams:
+    def __init__(self, connection: Connection) -> None:
+        self.connection = connection
+        self.calls: dict[int, Call] = {}
+        self.tasks: set[asyncio.Task[None]] = set()
+
+    def open(self, event: h2.events.RequestReceived) -> None:
+        connection, endpoint = self.connection, self.connection.endpoint
+        stream_id = event.stream_id
+        headers = [(k.decode("latin-1"), v.decode("latin-1")) for k, v in event.headers]
+        connection.idle_since = None
+        fields = dict(headers)
+        ended = event.stream_ended is not None
+        refusal = stream_refusal(
+            fields,
+            draining=endpoint.refusing,
+            num_open=len(self.calls),
+            limit=connection.config.max_streams_per_connection,
+            paths=endpoint.mapping,
+        )
+        if refusal is not None:
+            cause, response = refusal
+            if cause:
+                endpoint.refused(cause)
+            self.answer(stream_id, response, ended)
+            connection.gate.did_no_work(stream_id)  # may raise LimitError: refused en masse
+            return
+        try:
+            deadline = Deadline.from_headers(headers)
+        except ValueError:
+            message = "the grpc-timeout header is malformed"
+            self.answer(stream_id, trailers(Status.INVALID_ARGUMENT, message), ended)
+            return
+        path = fields[":path"]
+        call = Call(connection, stream_id, path, endpoint.mapping[path], headers, deadline)
+        self.calls[stream_id] = call
+        endpoint.opened(call)
+        task = connection.loop.create_task(endpoint.serve(call))
+        call.task = task
+        self.tasks.add(task)
+        task.add_done_callback(self.tasks.discard)
+
+    def answer(self, stream_id: int, headers: list[tuple[str, str]], input_ended: bool) -> None:
+        """A response made of headers alone, at once."""
+        self.connection.h2.send_headers(stream_id, headers, end_stream=True)
+        if not input_ended:
+            self.connection.out.stop_input(stream_id)
+        self.connection.stream_done()
+
+    def data(self, event: h2.events.DataReceived) -> None:
+        h2_connection = self.connection.h2
+        call = self.calls.get(event.stream_id)
+        if call is None:  # answered, or ended: its data is dropped
+            h2_connection.acknowledge_received_data(event.flow_controlled_length, event.stream_id)
+            return
+        padding = event.flow_controlled_length - len(event.data)
+        if padding:
+            h2_connection.acknowledge_received_data(padding, event.stream_id)
+        call.received(event.data)
+
+    def ended(self, stream_id: int) -> None:
+        call = self.calls.get(stream_id)
+        if call is not None:
+            call.end_of_input()
+
+    def reset(self, event: h2.events.StreamReset) -> None:
+        call = self.calls.pop(event.stream_id, None)
+        if call is not None:
+            call.end(f"the client reset the stream (error code {event.error_code})")
+            self.connection.stream_done()
+
+    def window_updated(self, stream_id: int) -> None:
+        if stream_id:
+            call = self.calls.get(stream_id)
+            if call is not None:
+                call.window_open.set()
+        else:
+            for call in self.calls.values():
+                call.window_open.set()
+
+    def release(self, call: Call, why: str) -> None:
+        """The call is over on this connection (its handler may still be finishing)."""
+        if self.calls.pop(call.stream_id, None) is not None:
+            self.connection.stream_done()
+        call.end(why)
+
+    def end_all(self, why: str) -> None:
+        calls, self.calls = list(self.calls.values()), {}
+        for call in calls:
+            call.end(why)
