@@ -50,7 +50,7 @@ class GrpcThread:
         self.health = ServiceStatus()
         self.endpoint: Endpoint | None = None
         self.servicer: LoomServicer | None = None
-        self.metrics_port: int | None = None  # bound, with `metrics_port` set
+        self.metrics: MetricsEndpoint | None = None  # with `metrics_port` set
 
     async def run(self, *, task_status: trio.TaskStatus[int] = trio.TASK_STATUS_IGNORED) -> None:
         token = trio.lowlevel.current_trio_token()
@@ -94,19 +94,21 @@ class GrpcThread:
         services = ServerReflection.extend([servicer, Health({servicer: [self.health]})])
         registry = self.engine.metrics.registry
         self.endpoint = Endpoint(services, self.config.boundary, boundary_refusals(registry))
-        metrics = None
         try:
             port = await self.endpoint.start(self.config.host, self.config.port)
             if self.config.metrics_port is not None:
-                metrics = MetricsEndpoint(registry)
-                host = self.config.metrics_host
-                self.metrics_port = await metrics.start(host, self.config.metrics_port)
+                self.metrics = MetricsEndpoint(registry)
+                await self.metrics.start(self.config.metrics_host, self.config.metrics_port)
             token.run_sync_soon(on_bound, port)
             await self.stop_event.wait()
         finally:
-            if metrics is not None:
-                await metrics.close()
+            if self.metrics is not None:
+                await self.metrics.close()
             await self.endpoint.close()
+
+    @property
+    def metrics_port(self) -> int | None:
+        return self.metrics.address()[1] if self.metrics is not None else None
 
     def in_loop(self, fn: Callable[[], Any]) -> bool:
         """Run `fn` in the asyncio thread. False (and a no-op) once the loop has gone."""

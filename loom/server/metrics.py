@@ -55,12 +55,17 @@ class MetricsEndpoint:
         self.listener: asyncio.Server | None = None
         self.scrapers: set[Scrape] = set()
 
-    async def start(self, host: str, port: int) -> int:
+    async def start(self, host: str, port: int) -> None:
         loop = asyncio.get_running_loop()
         self.listener = await loop.create_server(lambda: Scrape(self), host, port, backlog=64)
-        bound = int(self.listener.sockets[0].getsockname()[1])
-        log.info("metrics on http://%s:%d/metrics", host, bound)
-        return bound
+        log.info("metrics on http://%s:%d/metrics", *self.address())
+
+    def address(self) -> tuple[str, int]:
+        """Where it listens (port 0 picked one)."""
+        if self.listener is None or not self.listener.sockets:
+            raise RuntimeError("the metrics port is not listening")
+        host, port = self.listener.sockets[0].getsockname()[:2]
+        return str(host), int(port)
 
     def render(self) -> bytes:
         now = time.monotonic()
