@@ -8,6 +8,7 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 
 from grpclib import GRPCError, Status
+from grpclib.exceptions import StreamTerminatedError
 
 from loom.core.errors import EngineDeadError, EngineOverloadedError, InvalidRequestError
 from loom.core.request_output import FinishReason
@@ -37,8 +38,8 @@ def status_errors() -> Iterator[None]:
         raise GRPCError(Status.RESOURCE_EXHAUSTED, str(exc)) from exc
     except EngineDeadError as exc:
         raise GRPCError(Status.UNAVAILABLE, str(exc)) from exc
-    except (GRPCError, ClientGoneError, asyncio.CancelledError):
-        raise
+    except (GRPCError, ClientGoneError, StreamTerminatedError, asyncio.CancelledError):
+        raise  # a status already, or the call is over
     except Exception as exc:  # its message stays in the log: it may hold another client's data
         log.exception("internal error")
         raise GRPCError(

@@ -19,11 +19,13 @@ from typing import Any
 import h2.config
 import h2.connection
 import h2.events
+import hpack
 import pytest
 import trio
 from grpclib import GRPCError, Status
 from grpclib.client import Channel
 from grpclib.exceptions import StreamTerminatedError
+from hyperframe.frame import HeadersFrame, RstStreamFrame
 
 from loom.core.config import SchedulerConfig
 from loom.model.loader import LoadedModel
@@ -466,3 +468,55 @@ async def open_streams(
         chunk = await reader.read(65536)
         assert chunk, f"the server closed the connection; {len(statuses)} streams answered"
     return statuses
+
+
+async def test_isolation_streams_refused_and_reset_in_one_read_break_nothing(
+    tiny_chat: LoadedModel, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A client holds the 32 streams its connection may have, then sends 20 more, each HEADERS
+    followed by its RST_STREAM in the same write: the server reads the reset before it answers
+    the refusal, and must neither fail on the closed stream nor drop the connection; the 32
+    are served to their end."""
+    async with serving(tiny_chat) as (_, port):
+        with trio.fail_after(60):
+            statuses = await in_asyncio(hold_then_refuse_reset_streams, port)
+            assert sorted(set(statuses.values())) == [str(Status.OK.value)], statuses
+            assert len(statuses) == 32
+            await wait_all_blocks_free(port)
+    failures = [r for r in caplog.records if r.levelname in ("ERROR", "CRITICAL")]
+    assert failures == [], [r.getMessage() for r in failures]
+
+
+async def hold_then_refuse_reset_streams(port: int) -> dict[int, str]:
+    async with bare_connection(port) as (reader, writer, connection):
+        for i in range(32):
+            connection.send_headers(2 * i + 1, request_headers(port, GENERATE))
+            connection.send_data(2 * i + 1, frame(greedy([i + 1, 2], 40)), end_stream=True)
+        writer.write(connection.data_to_send())
+        raw = b""
+        for i in range(32, 52):
+            raw += opened_then_reset(2 * i + 1, request_headers(port, GENERATE))
+        writer.write(raw)
+        statuses: dict[int, str] = {}
+        while len(statuses) < 32:
+            chunk = await reader.read(65536)
+            assert chunk, f"the server closed the connection; {len(statuses)} streams answered"
+            for event in connection.receive_data(chunk):
+                if isinstance(event, h2.events.TrailersReceived):
+                    statuses[event.stream_id] = dict(event.headers)["grpc-status"]
+                if isinstance(event, h2.events.DataReceived):
+                    connection.acknowledge_received_data(
+                        event.flow_controlled_length, event.stream_id
+                    )
+            writer.write(connection.data_to_send())
+        return statuses
+
+
+def opened_then_reset(stream_id: int, headers: list[tuple[str, str]]) -> bytes:
+    """HEADERS (END_HEADERS) then RST_STREAM(CANCEL) for a new stream, written past the
+    client's h2 (which would not open a stream over the server's limit), its header block
+    encoded without indexing so that the client's own encoder state is untouched."""
+    block = hpack.Encoder().encode([hpack.NeverIndexedHeaderTuple(k, v) for k, v in headers])
+    headers_frame = HeadersFrame(stream_id, data=block, flags=["END_HEADERS"])
+    reset = RstStreamFrame(stream_id, error_code=8)
+    return bytes(headers_frame.serialize() + reset.serialize())

@@ -12,12 +12,13 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+from collections.abc import Iterator
 from typing import TYPE_CHECKING
 
 from grpclib.exceptions import StreamTerminatedError
 from h2.connection import H2Connection
 from h2.errors import ErrorCodes
-from h2.exceptions import ProtocolError, StreamClosedError
+from h2.exceptions import ProtocolError
 
 if TYPE_CHECKING:
     from loom.server.boundary.call import Call
@@ -36,17 +37,12 @@ class Outbound:
         self, call: Call, headers: list[tuple[str, str]], end_stream: bool = False
     ) -> None:
         await self.until_writable(call)
-        try:
-            self.h2.send_headers(call.stream_id, headers, end_stream=end_stream)
-        except (StreamClosedError, ProtocolError):
-            self.connection.streams.release(call, "the stream closed")
-            raise StreamTerminatedError("the stream closed") from None
+        self.write_headers(call, headers, end_stream)
         if end_stream:
             if not call.input_ended:
                 self.stop_input(call.stream_id)
-            self.connection.streams.release(
-                call, "done"
-            )  # in a drain, a GOAWAY may go in the same write
+            # In a drain, the connection's GOAWAY may follow in the same write.
+            self.connection.streams.release(call, "done")
         self.sent(1)
 
     async def send_data(self, call: Call, data: bytes) -> None:
@@ -59,13 +55,8 @@ class Outbound:
                 await call.window_open.wait()
                 continue
             size = min(window, self.h2.max_outbound_frame_size, len(data) - offset)
-            try:
-                self.h2.send_data(call.stream_id, view[offset : offset + size].tobytes())
-            except (StreamClosedError, ProtocolError):
-                self.connection.streams.release(call, "the stream closed")
-                raise StreamTerminatedError("the stream closed") from None
+            self.write_data(call, view[offset : offset + size].tobytes())
             offset += size
-            self.sent(1)
 
     def can_send(self, call: Call, size: int) -> bool:
         """Whether `size` bytes of DATA go out on `call`'s stream now, in one frame."""
@@ -77,14 +68,28 @@ class Outbound:
             and size <= self.h2.local_flow_control_window(call.stream_id)
         )
 
-    def write_headers(self, call: Call, headers: list[tuple[str, str]]) -> None:
-        """Response headers, now (the caller has checked `can_send`)."""
-        self.h2.send_headers(call.stream_id, headers)
+    def write_headers(
+        self, call: Call, headers: list[tuple[str, str]], end_stream: bool = False
+    ) -> None:
+        """Headers, now (the caller has waited for the connection to be writable)."""
+        with self.stream_open(call):
+            self.h2.send_headers(call.stream_id, headers, end_stream=end_stream)
 
     def write_data(self, call: Call, data: bytes) -> None:
-        """One DATA frame, now (the caller has checked `can_send`)."""
-        self.h2.send_data(call.stream_id, data)
+        """One DATA frame, now (the caller has checked the window and the connection)."""
+        with self.stream_open(call):
+            self.h2.send_data(call.stream_id, data)
         self.sent(1)
+
+    @contextlib.contextmanager
+    def stream_open(self, call: Call) -> Iterator[None]:
+        """h2 refusing to write on a stream it has closed (by a reset it read in the same
+        read, say): the call ends, its sender sees StreamTerminatedError."""
+        try:
+            yield
+        except ProtocolError:  # StreamClosedError, StreamIDTooLowError: h2 has closed it
+            self.connection.streams.release(call, "the stream closed")
+            raise StreamTerminatedError("the stream closed") from None
 
     async def until_writable(self, call: Call) -> None:
         while True:
@@ -97,7 +102,8 @@ class Outbound:
 
     def reset(self, call: Call) -> None:
         if call.ended is None and self.connection.closing is None:
-            self.h2.reset_stream(call.stream_id, ErrorCodes.CANCEL)
+            with contextlib.suppress(ProtocolError):  # closed already: nothing to reset
+                self.h2.reset_stream(call.stream_id, ErrorCodes.CANCEL)
             self.flush()
         self.connection.streams.release(call, "reset by the server")
 
@@ -124,5 +130,5 @@ class Outbound:
     def stop_input(self, stream_id: int) -> None:
         """RST_STREAM(NO_ERROR) after a whole response: the client need send nothing more
         (RFC 9113 §8.1). Its END_STREAM may have been read already (later in the same read)."""
-        with contextlib.suppress(StreamClosedError):
+        with contextlib.suppress(ProtocolError):  # StreamClosedError, or forgotten already
             self.h2.reset_stream(stream_id, ErrorCodes.NO_ERROR)

@@ -16,6 +16,7 @@ from typing import TYPE_CHECKING
 import h2.events
 from grpclib import Status
 from grpclib.metadata import Deadline
+from h2.exceptions import ProtocolError
 
 from loom.server.boundary.call import Call
 from loom.server.boundary.frames import stream_refusal, trailers
@@ -67,8 +68,12 @@ class Streams:
         task.add_done_callback(self.tasks.discard)
 
     def answer(self, stream_id: int, headers: list[tuple[str, str]], input_ended: bool) -> None:
-        """A response made of headers alone, at once."""
-        self.connection.h2.send_headers(stream_id, headers, end_stream=True)
+        """A response made of headers alone, at once (none if the peer has reset the stream
+        meanwhile, later in the same read)."""
+        try:
+            self.connection.h2.send_headers(stream_id, headers, end_stream=True)
+        except ProtocolError:  # closed (and maybe forgotten: StreamIDTooLowError) by h2
+            return
         if not input_ended:
             self.connection.out.stop_input(stream_id)
         self.connection.stream_done()
