@@ -19,6 +19,7 @@ import grpclib.server
 import h2.config
 import h2.connection
 import h2.events
+import h2.exceptions
 import h2.settings
 from grpclib.metadata import Deadline, decode_metadata, encode_grpc_message, encode_metadata
 from hpack import Decoder, Encoder, NeverIndexedHeaderTuple
@@ -153,3 +154,20 @@ def test_pins_the_private_names_of_grpclib_s_client_loom_relies_on() -> None:
     assert "self._protocol" in source
     assert "self.connection" in inspect.getsource(grpclib.protocol.H2Protocol)
     assert "self._transport = transport" in inspect.getsource(grpclib.protocol.Connection)
+
+
+def test_pins_h2_s_decoder_takes_the_decoded_header_limit_loom_sets() -> None:
+    """The settings Loom gives h2 are current at once, so no ACK applies MAX_HEADER_LIST_SIZE
+    to hpack's decoder: Loom sets the decoder's limit itself, and h2 refuses past it."""
+    server = h2.connection.H2Connection(h2.config.H2Configuration(client_side=False))
+    server.decoder.max_header_list_size = 1024
+    server.initiate_connection()
+    client = h2.connection.H2Connection()
+    client.initiate_connection()
+    headers = [(":method", "POST"), (":path", "/x"), (":scheme", "http"), (":authority", "a")]
+    client.send_headers(1, [*headers, ("x-big", "y" * 2000)])
+    try:
+        server.receive_data(client.data_to_send())
+    except h2.exceptions.DenialOfServiceError:
+        return
+    raise AssertionError("a header list past the decoder's limit must be refused")

@@ -60,9 +60,7 @@ class CutOff:
     seconds: float | None = None  # from the attack's start to the GOAWAY, or the close
 
     def __str__(self) -> str:
-        if self.goaway is not None:
-            return f"GOAWAY {self.goaway}"
-        return "closed" if self.closed else "still open"
+        return f"GOAWAY {self.goaway}" if self.goaway else "closed" if self.closed else "still open"
 
 
 @attrs.define
@@ -251,8 +249,9 @@ def declared_bodies(
     those still open after `seconds`."""
     connection = h2.connection.H2Connection()
     connection.initiate_connection()
-    headers = [(":method", "POST"), (":scheme", "http"), (":path", GENERATE), ("te", "trailers")]
-    headers += [(":authority", f"{host}:{port}"), ("content-type", "application/grpc")]
+    authority = f"{host}:{port}"
+    headers = [(":method", "POST"), (":scheme", "http"), (":path", GENERATE)]
+    headers += [(":authority", authority), ("content-type", "application/grpc"), ("te", "trailers")]
     left = {}
     for i in range(streams):
         connection.send_headers(2 * i + 1, headers)

@@ -204,42 +204,59 @@ class FailingDecode:
         return getattr(self.tokenizer, name)
 
 
-async def test_engine_crash_while_publishing_still_ends_every_stream(
-    smollm2_tokenizer: Any,
-) -> None:
-    """A and B sample in the same step: A's token finishes it (max_tokens=1), then
-    detokenising B's crashes the engine before A's final output was published. A's consumer
-    still gets an error (its request was finished, its stream not), and so does B's (its
-    request ended by the engine's stop)."""
-    tokenizer = FailingDecode(smollm2_tokenizer, poison=7)
-    loaded = tiny_model("llama", vocab_size=len(smollm2_tokenizer), tokenizer=tokenizer)
-    engine = Engine(EngineConfig(), lambda: loaded)
-    outputs: dict[str, list[RequestOutput]] = {"a": [], "b": []}
-    errors: dict[str, list[BaseException]] = {"a": [], "b": []}
+async def run_until_crash(
+    engine: Engine, prompt: list[int], sampling: SamplingParams
+) -> tuple[list[RequestOutput], list[BaseException]]:
+    """Run `engine` with one request until the engine crashes (RuntimeError): the request's
+    outputs, and the errors its stream raised."""
+    outputs: list[RequestOutput] = []
+    errors: list[BaseException] = []
 
     async def run_engine(task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
         with pytest.RaisesGroup(RuntimeError, flatten_subgroups=True):
             await engine.run(task_status=task_status)
 
-    async def consume(name: str, stream: RequestStream) -> None:
+    async def consume(stream: RequestStream) -> None:
         try:
             async for output in stream.outputs():
-                outputs[name].append(output)
+                outputs.append(output)
         except EngineDeadError as exc:
-            errors[name].append(exc)
+            errors.append(exc)
 
     with trio.fail_after(30):
         async with trio.open_nursery() as nursery:
             await nursery.start(run_engine)
-            a = engine.submit([1, 2], SamplingParams(max_tokens=1))
-            b = engine.submit([7, 7], SamplingParams(max_tokens=5))
-            nursery.start_soon(consume, "a", a)
-            nursery.start_soon(consume, "b", b)
-    assert outputs["a"] == []
-    assert [str(e) for e in errors["a"]] == [CRASHED]
-    assert errors["b"] == []
-    assert outputs["b"][-1].finish_reason is FinishReason.ERROR
-    assert outputs["b"][-1].error == CRASHED
+            nursery.start_soon(consume, engine.submit(prompt, sampling))
+    return outputs, errors
+
+
+async def test_engine_crash_while_detokenising_still_ends_the_stream(
+    smollm2_tokenizer: Any,
+) -> None:
+    """Detokenising a request's token crashes the engine: the request, unfinished, is ended by
+    the engine's stop, and its consumer gets an ERROR finish naming the crash."""
+    tokenizer = FailingDecode(smollm2_tokenizer, poison=7)
+    loaded = tiny_model("llama", vocab_size=len(smollm2_tokenizer), tokenizer=tokenizer)
+    engine = Engine(EngineConfig(), lambda: loaded)
+    outputs, errors = await run_until_crash(engine, [7, 7], SamplingParams(max_tokens=5))
+    assert errors == []
+    assert outputs[-1].finish_reason is FinishReason.ERROR
+    assert outputs[-1].error == CRASHED
+    assert_idle(engine)
+
+
+async def test_engine_crash_after_a_finish_still_ends_its_stream() -> None:
+    """The scheduler finishes a request (max_tokens), then the engine crashes before its
+    stream is ended (here in the metrics of its end): its consumer still gets the error."""
+    engine = Engine(EngineConfig(), lambda: tiny_model("llama"))
+
+    def ended(request: Any, now: float) -> None:
+        raise RuntimeError("injected metrics fault")
+
+    engine.metrics.ended = ended  # type: ignore[method-assign]
+    outputs, errors = await run_until_crash(engine, [1, 2], SamplingParams(max_tokens=3))
+    assert len(outputs) == 2  # the deltas before the last token
+    assert [str(e) for e in errors] == [CRASHED]
     assert_idle(engine)
 
 

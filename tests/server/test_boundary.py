@@ -9,6 +9,7 @@ port 0, every attack bounded in count and time.
 from __future__ import annotations
 
 import resource
+import socket
 import statistics
 import subprocess
 import threading
@@ -20,6 +21,7 @@ from contextlib import contextmanager
 import pytest
 from grpclib.client import Channel
 from grpclib.exceptions import StreamTerminatedError
+from hpack import Encoder
 
 from loom.bench.serving import launched_process
 from loom.chaos import attacks
@@ -281,3 +283,103 @@ def test_boundary_streams_declaring_large_bodies_are_refused_before_buffering() 
     exhausted = str(8)  # RESOURCE_EXHAUSTED: every one of them
     assert statuses == {exhausted: 100}, statuses
     assert grown < 100
+
+
+def trickled(port: int, header: bytes, payload: bytes, source: str) -> socket.socket:
+    """A connection that sends `header` (a frame header, after the preface for a HEADERS
+    frame) and then the frame's payload a byte every 0.3 s, in a thread of its own."""
+    sock = attacks.connect(HOST, port, source)
+
+    def trickle() -> None:
+        try:
+            sock.sendall(header)
+            for byte in payload:
+                time.sleep(0.3)
+                sock.sendall(bytes([byte]))
+        except OSError:
+            pass  # closed by the server
+
+    threading.Thread(target=trickle, daemon=True).start()
+    return sock
+
+
+def test_boundary_trickled_frames_and_refused_streams_keep_no_connection_open() -> None:
+    """A HEADERS frame whose payload comes a byte at a time is closed at --header-timeout, a
+    first SETTINGS frame sent so at --preface-timeout (before, the gate took the frame for
+    finished from its header alone, and only the idle timeout applied); a connection whose one
+    stream was refused and reset in the same write is closed at --idle-timeout (before, it
+    never was)."""
+    flags = [*SIM, *SHORT_TIMEOUTS, "--idle-timeout", "2"]
+    with launched_process(flags) as (port, _):
+        block = attacks.request_block(f"{HOST}:{port}")
+        preface = attacks.PREFACE + attacks.frame(attacks.SETTINGS, 0, 0)
+        headers = attacks.frame(attacks.HEADERS, attacks.END_HEADERS, 1, block)
+        settings = attacks.frame(attacks.SETTINGS, 0, 0, bytes(6 * 10))
+        socks = [trickled(port, preface + headers[:9], headers[9:], "127.0.0.2")]
+        socks.append(trickled(port, attacks.PREFACE + settings[:9], settings[9:], "127.0.0.3"))
+        unknown = attacks.request_block(f"{HOST}:{port}", "/no.Such/Method")
+        reset = attacks.frame(attacks.RST_STREAM, 0, 1, attacks.CANCEL.to_bytes(4, "big"))
+        refused = attacks.connect(HOST, port, "127.0.0.4")
+        refused.sendall(preface + attacks.frame(attacks.HEADERS, 4, 1, unknown) + reset)
+        closed = attacks.when_closed([*socks, refused], seconds=8)
+        assert served(port)
+    print(
+        f"trickled HEADERS closed after {closed[0]} s, SETTINGS after {closed[1]} s; "
+        f"a refused and reset stream's connection after {closed[2]} s"
+    )
+    assert None not in closed
+    assert 0.8 < (closed[0] or 0) < 3
+    assert 0.8 < (closed[1] or 0) < 3
+    assert 1.8 < (closed[2] or 0) < 4
+
+
+def test_boundary_declared_sizes_alone_hold_none_of_the_request_budget() -> None:
+    """16 streams each send only a prefix declaring 4 MiB (the whole budget, 64 MiB, if sizes
+    were taken as declared): a well-behaved client's requests are all served meanwhile
+    (before: refused, RESOURCE_EXHAUSTED, until the squatters' request timeout)."""
+    with launched_process([*SIM, "--request-timeout", "5"]) as (port, _):
+        block = attacks.request_block(f"{HOST}:{port}")
+        squat = attacks.connect(HOST, port, "127.0.0.2")
+        data = attacks.PREFACE + attacks.frame(attacks.SETTINGS, 0, 0)
+        for i in range(16):
+            data += attacks.frame(attacks.HEADERS, attacks.END_HEADERS, 2 * i + 1, block)
+            data += attacks.frame(attacks.DATA, 0, 2 * i + 1, b"\0" + (4 << 20).to_bytes(4, "big"))
+        squat.sendall(data)
+        time.sleep(0.5)
+        outcomes = [served(port) for _ in range(10)]
+        squat.close()
+    assert outcomes == [True] * 10
+
+
+def test_boundary_data_on_closed_streams_and_huge_decoded_headers_are_cut_off() -> None:
+    """A stream answered at once (GET: 405), then 50,000 DATA frames on it, each owing the
+    server an RST_STREAM: cut off past the control-frame burst. A header block of 3 KiB that
+    decodes (HPACK indexing) to 56 KiB: refused, past --max-header-bytes as decoded."""
+    with launched_process(SIM) as (port, _):
+        get = attacks.request_block(f"{HOST}:{port}").replace(b"POST", b"GET ")
+        opening = attacks.frame(attacks.HEADERS, attacks.END_HEADERS, 1, get)
+        one = attacks.frame(attacks.DATA, 0, 1, b"x")
+        report = attacks.flood(
+            HOST, port, iter([(0, opening), *[(1000, one * 1000)] * 50]), 10, True
+        )
+        big = [(":method", "POST"), (":scheme", "http"), (":path", "/loom.v1.Loom/Generate")]
+        big += [(":authority", "x")] + [("x-big", "y" * 4000)] * 14
+        block = Encoder().encode(big)
+        sock = attacks.connect(HOST, port)
+        listener = attacks.Listener(sock, time.monotonic())
+        listener.start()
+        sock.sendall(
+            attacks.PREFACE
+            + attacks.frame(attacks.SETTINGS, 0, 0)
+            + attacks.frame(attacks.HEADERS, attacks.END_HEADERS, 1, block)
+        )
+        listener.done.wait(10)
+        sock.close()
+        assert served(port)
+    print(
+        f"DATA on a closed stream: {report.sent} sent, {report.cut_off} ({report.cut_off.debug});"
+        f" a {len(block)}-byte block of 56 KiB decoded: {listener.cut_off}"
+    )
+    assert report.cut_off.goaway == "ENHANCE_YOUR_CALM", report
+    assert len(block) < 16 << 10
+    assert listener.cut_off.goaway is not None, listener.cut_off

@@ -324,6 +324,27 @@ def frame(message: Any, *, size: int | None = None) -> bytes:
             "grpc-timeout header is malformed",
         ),
         (
+            GENERATE,
+            frame(greedy([1], 2)),
+            [("grpc-timeout", "9" * 400 + "S")],  # a float overflows: gRPC allows 8 digits
+            Status.INVALID_ARGUMENT,
+            "grpc-timeout header is malformed",
+        ),
+        (
+            GENERATE,
+            frame(greedy([1], 2)),
+            [("x-key-bin", "a")],  # not base64
+            Status.INVALID_ARGUMENT,
+            "the request metadata is malformed",
+        ),
+        (
+            GENERATE,
+            frame(greedy([1], 2)),
+            [("x-key-bin", "é")],  # not ASCII
+            Status.INVALID_ARGUMENT,
+            "the request metadata is malformed",
+        ),
+        (
             STATS,  # every service, not only Generate: grpclib would read 4 GiB
             struct.pack(">?I", False, 5 << 20),
             [],

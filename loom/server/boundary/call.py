@@ -3,13 +3,13 @@ API (`recv_message`, `async for`, `send_message`, `send_trailing_metadata`, `can
 `deadline`, `metadata`, `peer`, `user_agent`), so grpclib's servicers (health, reflection,
 the generated loom.v1 base) run on it unchanged.
 
-Reading: a request message is read whole, as its 5-byte prefix declares: a compressed one is
-INVALID_ARGUMENT, one over `max_request_bytes` RESOURCE_EXHAUSTED, unread; its declared size
-is taken from the server-wide `RequestBudget` until it is decoded (RESOURCE_EXHAUSTED when the
-budget cannot cover it); the first message must be whole within `request_timeout` of the
-stream's start (or by the client's deadline, if sooner: DEADLINE_EXCEEDED). Bytes are
-acknowledged to HTTP/2 flow control as they are taken, so a stream holds at most its window
-of unread data. A frame that is cut short or does not parse is INVALID_ARGUMENT.
+Reading (the bytes themselves: loom/server/boundary/inbound.py): a request message is read
+whole, as its 5-byte prefix declares: a compressed one is INVALID_ARGUMENT, one over
+`max_request_bytes` RESOURCE_EXHAUSTED, unread; the first message must be whole within
+`request_timeout` of the stream's start (or by the client's deadline, if sooner:
+DEADLINE_EXCEEDED), a later one within `request_timeout` of its prefix. A frame that is cut
+short or does not parse is INVALID_ARGUMENT. Once a method that takes one message has it,
+the rest of its stream is dropped as it comes.
 
 Ending: a call ends once, by the first of: its trailers sent, a reset either way, the
 connection lost. `when_ended` callbacks run at that moment, in the connection's event, before
@@ -29,10 +29,11 @@ from typing import TYPE_CHECKING, Any
 from google.protobuf.message import DecodeError
 from grpclib import GRPCError, Status
 from grpclib.exceptions import StreamTerminatedError
-from grpclib.metadata import Deadline, decode_metadata, encode_grpc_message, encode_metadata
+from grpclib.metadata import Deadline, encode_grpc_message, encode_metadata
 from multidict import MultiDict
 
 from loom.server.boundary.frames import CONTENT_TYPE
+from loom.server.boundary.inbound import Inbound
 
 if TYPE_CHECKING:
     from loom.server.boundary.connection import Connection
@@ -67,20 +68,18 @@ class Call:
         method: Any,  # grpclib.const.Handler: func, cardinality, request_type, reply_type
         headers: list[tuple[str, str]],
         deadline: Deadline | None,
+        metadata: Any,
     ) -> None:
         self.connection = connection
         self.stream_id = stream_id
         self.path = path
         self.method = method
         self.deadline = deadline
-        self.metadata = decode_metadata(headers)
+        self.metadata = metadata
         self.user_agent = dict(headers).get("user-agent")
         self.peer = Peer(connection.peer_address)
         self.started = asyncio.get_running_loop().time()
-        self.inbound = bytearray()
-        self.num_acknowledged = 0  # of `inbound`'s first bytes, given back to the peer's window
-        self.input_ended = False
-        self.readable = asyncio.Event()
+        self.inbound = Inbound(self)
         self.window_open = asyncio.Event()
         self.num_received = 0
         self.headers_sent = False
@@ -92,24 +91,17 @@ class Call:
 
     # What the connection tells the call.
 
-    def received(self, data: bytes) -> None:
-        self.inbound += data
-        self.readable.set()
-
-    def end_of_input(self) -> None:
-        self.input_ended = True
-        self.readable.set()
-
     def end(self, why: str) -> bool:
         """The call is over (idempotent): callbacks run now, a running handler is cancelled.
         False if it had ended already."""
         if self.ended is not None:
             return False
         self.ended = why
+        self.inbound.discard()
         callbacks, self.on_end = self.on_end, []
         for callback in callbacks:
             callback()
-        self.readable.set()
+        self.inbound.readable.set()
         self.window_open.set()
         if self.task is not None and self.task is not asyncio.current_task():
             self.task.cancel()
@@ -141,7 +133,7 @@ class Call:
         limit = self.connection.config.request_timeout
         first = self.num_received == 0
         async with self.in_time(self.started + limit if first else None):
-            prefix = await self.read(PREFIX.size)
+            prefix = await self.inbound.read(PREFIX.size)
         if not prefix:
             return None
         compressed, size = PREFIX.unpack(prefix)
@@ -150,21 +142,17 @@ class Call:
                 Status.INVALID_ARGUMENT, "compressed request messages are not supported"
             )
         self.check_size(size)
-        budget = self.connection.budget
-        try:
-            budget.take(size)
-        except GRPCError:
-            self.connection.refused("max_buffered_request_bytes")
-            raise
         try:
             loop = asyncio.get_running_loop()
             async with self.in_time(self.started + limit if first else loop.time() + limit):
-                body = await self.read(size)
+                body = await self.inbound.read(size)
         finally:
-            budget.give(size)
+            self.inbound.give_back()
         if len(body) < size:
             raise GRPCError(Status.INVALID_ARGUMENT, "the request message is cut short")
         self.num_received += 1
+        if not self.method.cardinality.client_streaming:
+            self.inbound.discard()  # its one message is read: more would only sit in memory
         try:
             return self.method.request_type.FromString(body)
         except DecodeError as exc:
@@ -204,32 +192,6 @@ class Call:
                 Status.RESOURCE_EXHAUSTED,
                 f"no whole request message within request_timeout={limit} s",
             ) from None
-
-    async def read(self, size: int) -> bytes:
-        """`size` bytes of the request stream; b"" at its end (INVALID_ARGUMENT when it ends
-        inside them). What the read will take is acknowledged as it comes, so that the peer
-        may send the rest; what lies beyond stays unacknowledged, within the stream's window."""
-        while True:
-            self.acknowledge(min(len(self.inbound), size))
-            if len(self.inbound) >= size or self.input_ended:
-                break
-            self.check_open()
-            self.readable.clear()
-            await self.readable.wait()
-        self.check_open()
-        data = bytes(self.inbound[:size])
-        del self.inbound[:size]
-        self.num_acknowledged -= len(data)
-        if data and len(data) < size:
-            raise GRPCError(Status.INVALID_ARGUMENT, "the request message is cut short")
-        return data
-
-    def acknowledge(self, upto: int) -> None:
-        """The first `upto` bytes of `inbound` are (or will be) taken: give them back to the
-        peer's window."""
-        if upto > self.num_acknowledged:
-            self.connection.out.acknowledge(self.stream_id, upto - self.num_acknowledged)
-            self.num_acknowledged = upto
 
     def __aiter__(self) -> AsyncIterator[Any]:
         return self

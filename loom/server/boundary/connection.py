@@ -58,7 +58,7 @@ if TYPE_CHECKING:
     from loom.server.boundary.endpoint import Endpoint
 
 log = logging.getLogger(__name__)
-CONNECTION_WINDOW = 1 << 20  # x/net's MaxUploadBufferPerConnection; streams keep h2's 64 KiB
+CONNECTION_WINDOW = 256 << 10  # bytes unread on a connection; its streams keep h2's 64 KiB
 LINGER = 2.0  # seconds a closing connection waits for its peer to close
 
 
@@ -109,6 +109,9 @@ class Connection(asyncio.Protocol):
                 SettingCodes.MAX_HEADER_LIST_SIZE: self.config.max_header_bytes,
             },
         )
+        # The decoded size is hpack's to enforce, and the settings above are current at once
+        # (no ACK will apply them): so its decoder is told too.
+        self.h2.decoder.max_header_list_size = self.config.max_header_bytes
         self.h2.initiate_connection()
         self.h2.increment_flow_control_window(CONNECTION_WINDOW - 65535)
         preface = self.h2.data_to_send()
@@ -120,13 +123,12 @@ class Connection(asyncio.Protocol):
         if self.closing is not None:
             return  # lingering: read and dropped
         refusal: LimitError | None = None
-        allowed = len(data)
         try:
-            self.gate.scan(data)
+            frames = self.gate.scan(data)
         except LimitError as exc:
-            refusal, allowed = exc, exc.offset
+            refusal, frames = exc, exc.passed
         try:
-            events = self.h2.receive_data(data[:allowed] if refusal else data)
+            events = self.h2.receive_data(frames)
         except ProtocolError as exc:
             log.debug("HTTP/2 protocol error from %s: %s", self.peer_address, exc)
             self.endpoint.refused("protocol_error")
@@ -140,8 +142,11 @@ class Connection(asyncio.Protocol):
         self.out.flush()
         if refusal is not None:
             self.calm_down(refusal)
-        else:
-            self.watchdog.rearm()
+            return
+        if self.gate.goaway_received and not self.peer_going_away:
+            self.peer_going_away = True  # it opens no more streams; its open ones finish
+            self.stream_done()
+        self.watchdog.rearm()
 
     def pause_writing(self) -> None:
         """The peer is not taking what it is sent: stop reading from it (its PINGs and
@@ -187,12 +192,8 @@ class Connection(asyncio.Protocol):
         elif isinstance(event, h2.events.RemoteSettingsChanged):
             if SettingCodes.INITIAL_WINDOW_SIZE in event.changed_settings:
                 self.streams.window_updated(0)
-        elif isinstance(event, h2.events.PingAckReceived):
-            if event.ping_data == DRAIN_PING_DATA:
-                self.heard()
-        elif isinstance(event, h2.events.ConnectionTerminated):
-            self.peer_going_away = True  # it opens no more streams; its open ones finish
-            self.stream_done()
+        elif isinstance(event, h2.events.PingAckReceived) and event.ping_data == DRAIN_PING_DATA:
+            self.heard()
 
     def refused(self, cause: str) -> None:
         self.endpoint.refused(cause)

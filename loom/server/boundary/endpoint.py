@@ -40,8 +40,8 @@ class RequestBudget:
         if self.taken + size > self.limit:
             raise GRPCError(
                 Status.RESOURCE_EXHAUSTED,
-                f"the server is receiving {self.taken} bytes of request messages; this one's "
-                f"{size} would exceed max_buffered_request_bytes={self.limit}",
+                f"the server holds {self.taken} bytes of request messages being received; "
+                f"{size} more would exceed max_buffered_request_bytes={self.limit}",
             )
         self.taken += size
 

@@ -39,7 +39,7 @@ class Outbound:
         await self.until_writable(call)
         self.write_headers(call, headers, end_stream)
         if end_stream:
-            if not call.input_ended:
+            if not call.inbound.ended:
                 self.stop_input(call.stream_id)
             # In a drain, the connection's GOAWAY may follow in the same write.
             self.connection.streams.release(call, "done")

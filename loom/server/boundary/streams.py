@@ -11,11 +11,12 @@ cancelled before its first step, is dropped, and the stream is released here, no
 from __future__ import annotations
 
 import asyncio
-from typing import TYPE_CHECKING
+import re
+from typing import TYPE_CHECKING, Any
 
 import h2.events
 from grpclib import Status
-from grpclib.metadata import Deadline
+from grpclib.metadata import Deadline, decode_metadata
 from h2.exceptions import ProtocolError
 
 from loom.server.boundary.call import Call
@@ -53,13 +54,14 @@ class Streams:
             connection.gate.did_no_work(stream_id)  # may raise LimitError: refused en masse
             return
         try:
-            deadline = Deadline.from_headers(headers)
-        except ValueError:
-            message = "the grpc-timeout header is malformed"
-            self.answer(stream_id, trailers(Status.INVALID_ARGUMENT, message), ended)
+            deadline, metadata = parsed(headers)
+        except ValueError as exc:  # what a client sent, not a fault of the server's
+            self.answer(stream_id, trailers(Status.INVALID_ARGUMENT, str(exc)), ended)
+            connection.gate.did_no_work(stream_id)
             return
         path = fields[":path"]
-        call = Call(connection, stream_id, path, endpoint.mapping[path], headers, deadline)
+        method = endpoint.mapping[path]
+        call = Call(connection, stream_id, path, method, headers, deadline, metadata)
         self.calls[stream_id] = call
         endpoint.opened(call)
         task = connection.loop.create_task(endpoint.serve(call))
@@ -70,13 +72,15 @@ class Streams:
     def answer(self, stream_id: int, headers: list[tuple[str, str]], input_ended: bool) -> None:
         """A response made of headers alone, at once (none if the peer has reset the stream
         meanwhile, later in the same read)."""
+        self.connection.gate.closed(stream_id)
         try:
             self.connection.h2.send_headers(stream_id, headers, end_stream=True)
+            if not input_ended:
+                self.connection.out.stop_input(stream_id)
         except ProtocolError:  # closed (and maybe forgotten: StreamIDTooLowError) by h2
-            return
-        if not input_ended:
-            self.connection.out.stop_input(stream_id)
-        self.connection.stream_done()
+            pass
+        finally:
+            self.connection.stream_done()
 
     def data(self, event: h2.events.DataReceived) -> None:
         h2_connection = self.connection.h2
@@ -87,12 +91,12 @@ class Streams:
         padding = event.flow_controlled_length - len(event.data)
         if padding:
             h2_connection.acknowledge_received_data(padding, event.stream_id)
-        call.received(event.data)
+        call.inbound.received(event.data)
 
     def ended(self, stream_id: int) -> None:
         call = self.calls.get(stream_id)
         if call is not None:
-            call.end_of_input()
+            call.inbound.end_of_input()
 
     def reset(self, event: h2.events.StreamReset) -> None:
         call = self.calls.pop(event.stream_id, None)
@@ -112,6 +116,7 @@ class Streams:
     def release(self, call: Call, why: str) -> None:
         """The call is over on this connection (its handler may still be finishing)."""
         if self.calls.pop(call.stream_id, None) is not None:
+            self.connection.gate.closed(call.stream_id)
             self.connection.stream_done()
         call.end(why)
 
@@ -119,3 +124,18 @@ class Streams:
         calls, self.calls = list(self.calls.values()), {}
         for call in calls:
             call.end(why)
+
+
+TIMEOUT = re.compile(r"[0-9]{1,8}[HMSmun]")  # gRPC's spec: at most 8 digits and a unit
+
+
+def parsed(headers: list[tuple[str, str]]) -> tuple[Deadline | None, Any]:
+    """A call's deadline and metadata, from its headers; ValueError names what is malformed."""
+    timeout = dict(headers).get("grpc-timeout")
+    if timeout is not None and not TIMEOUT.fullmatch(timeout):
+        raise ValueError("the grpc-timeout header is malformed")
+    try:
+        metadata = decode_metadata(headers)
+    except ValueError as exc:  # a -bin value that is not base64, or not ASCII
+        raise ValueError(f"the request metadata is malformed: {exc}") from None
+    return Deadline.from_headers(headers), metadata

@@ -2,7 +2,7 @@
 
 - its peer to take what it was sent (`write_timeout`, while the transport is paused),
 - its preface (`preface_timeout`, from the accept),
-- the rest of a header block begun (`header_timeout`),
+- the rest of a header block begun, or of any frame but DATA (`header_timeout`),
 - with no stream open, a new stream (`idle_timeout`).
 
 `rearm` after any change of those; when the timer fires and the wait is still due, the
@@ -33,8 +33,9 @@ class Watchdog:
             return c.out.paused_since + config.write_timeout, "write_timeout"
         if not c.gate.preface_done:
             return c.made_at + config.preface_timeout, "preface_timeout"
-        if c.gate.header_block_since is not None:
-            return c.gate.header_block_since + config.header_timeout, "header_timeout"
+        unfinished = c.gate.unfinished_since
+        if unfinished is not None:
+            return unfinished + config.header_timeout, "header_timeout"
         if not c.streams.calls and c.idle_since is not None:
             return c.idle_since + config.idle_timeout, "idle_timeout"
         return None
