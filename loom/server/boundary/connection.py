@@ -1,7 +1,8 @@
 """One client's HTTP/2 connection, on h2's public API: frames in, events dispatched, calls
 started and ended, writes under flow control, every limit enforced where the frame arrives.
 
-    data_received ─▶ FrameGate.scan (counts, rates, header blocks) ─▶ h2.receive_data ─▶ events
+    data_received ─▶ FrameGate.scan (counts, rates, unfinished frames; the peer's GOAWAY cut
+                     out: Loom lets its streams finish, then closes) ─▶ h2.receive_data ─▶ events
         RequestReceived  ─▶ refused at once (draining, over the streams limit, not gRPC),
                             or a Call and its handler task (Endpoint.serve)
         DataReceived / StreamEnded ─▶ the call's request stream
@@ -10,8 +11,9 @@ started and ended, writes under flow control, every limit enforced where the fra
         PingAckReceived  ─▶ the drain's PING answered: the peer heard
     connection_lost ─▶ every call ends now; nothing more is written
 
-One timer at a time says when the connection has waited too long: for its preface, for the
-rest of a header block, for its peer to take what it was sent (`write_timeout`; meanwhile the
+One timer at a time (loom/server/boundary/watchdog.py) says when the connection has waited too
+long: for its preface, for the rest of a header block or frame, for its peer to take what it
+was sent (`write_timeout`; meanwhile the
 connection is not read, so a peer that floods PINGs without reading answers fills only its own
 socket), or, with no stream open, for a new stream (`idle_timeout`). A connection closes by
 GOAWAY, then half-closes and reads (discarding) until the peer closes or `LINGER` passes, so
@@ -22,8 +24,10 @@ before its handler task starts is never released (rapid reset keeps ~9 KB a stre
 connection's life, and every later SETTINGS or WINDOW_UPDATE walks the dead streams); it
 answers PINGs and SETTINGS into an unbounded buffer for a peer that does not read; it has no
 preface, header, body or idle timeouts and no connection limits; and on a lost connection it
-cancels a handler through a wrapper that a swallowed cancellation defeats (the request then ran
-on, writing into a dead socket). Here the connection owns each stream's end.
+ends a handler only by cancelling its task, which a swallowed cancellation defeats (Python
+3.11's asyncio.wait_for swallowed one, and the request ran on, writing into a dead socket).
+Here the connection owns each stream's end, and a call's end runs what must not outlive it
+(the engine abort) itself.
 """
 
 from __future__ import annotations
