@@ -67,33 +67,35 @@ class Listener:
             )
         self.num_connections = 0
         self.per_peer = Counter[str]()
-        self.sock: socket.socket | None = None
+        self.socks: list[socket.socket] = []
 
     def listen(self, host: str, port: int) -> int:
-        """Listen on `host:port` (port 0 picks one); the bound port."""
-        family, kind, proto, _, address = socket.getaddrinfo(
-            host, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE
-        )[0]
-        sock = socket.socket(family, kind, proto)
-        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        sock.bind(address)
-        sock.listen(BACKLOG)
-        sock.setblocking(False)
-        self.sock = sock
-        asyncio.get_running_loop().add_reader(sock.fileno(), self.accept_ready)
-        return int(sock.getsockname()[1])
+        """Listen on every address `host` names (`localhost`: IPv4 and IPv6), on `port` (0
+        picks one, the same for all); the bound port."""
+        addresses = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)
+        for family, kind, proto, _, address in dict.fromkeys(addresses):
+            sock = socket.socket(family, kind, proto)
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            if family == socket.AF_INET6:
+                sock.setsockopt(socket.IPPROTO_IPV6, socket.IPV6_V6ONLY, 1)  # v4 has its own
+            if self.socks:  # the port the first one picked
+                address = (address[0], self.socks[0].getsockname()[1], *address[2:])
+            sock.bind(address)
+            sock.listen(BACKLOG)
+            sock.setblocking(False)
+            self.socks.append(sock)
+        self.resume()
+        return int(self.socks[0].getsockname()[1])
 
-    def accept_ready(self) -> None:
+    def accept_ready(self, sock: socket.socket) -> None:
         for _ in range(ACCEPTS_PER_TURN):
-            if not self.accept_one():
+            if not self.accept_one(sock):
                 return
 
-    def accept_one(self, apply_caps: bool = True) -> bool:
+    def accept_one(self, sock: socket.socket) -> bool:
         """Accept a waiting connection; False when none waits (or accepting must pause)."""
-        if self.sock is None:
-            return False
         try:
-            conn, address = self.sock.accept()
+            conn, address = sock.accept()
         except (BlockingIOError, InterruptedError):
             return False
         except OSError as exc:
@@ -146,26 +148,26 @@ class Listener:
             del self.per_peer[host]
 
     def pause(self, seconds: float) -> None:
-        if self.sock is None:
-            return
         loop = asyncio.get_running_loop()
-        loop.remove_reader(self.sock.fileno())
+        for sock in self.socks:
+            loop.remove_reader(sock.fileno())
         loop.call_later(seconds, self.resume)
 
     def resume(self) -> None:
-        if self.sock is not None:
-            asyncio.get_running_loop().add_reader(self.sock.fileno(), self.accept_ready)
+        loop = asyncio.get_running_loop()
+        for sock in self.socks:
+            loop.add_reader(sock.fileno(), self.accept_ready, sock)
 
     def close(self) -> int:
         """Stop listening, after accepting what waits in the backlog (closing the socket would
         reset those connections, and a proxy that has sent a call on one takes the reset for a
         failed call rather than a refused connection it may try elsewhere): how many."""
-        if self.sock is None:
-            return 0
         taken = 0
-        while self.accept_one():
-            taken += 1
-        asyncio.get_running_loop().remove_reader(self.sock.fileno())
-        self.sock.close()
-        self.sock = None
+        loop = asyncio.get_running_loop()
+        for sock in self.socks:
+            while self.accept_one(sock):
+                taken += 1
+            loop.remove_reader(sock.fileno())
+            sock.close()
+        self.socks.clear()
         return taken
