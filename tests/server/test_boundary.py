@@ -177,6 +177,7 @@ def test_boundary_a_non_reader_flooding_pings_fills_only_its_own_socket() -> Non
         f"{statistics.median(during) * 1000:.1f} ms"
     )
     assert report.sent < 2_000_000  # its sends blocked: the server stopped reading
+    assert report.cut_off.closed  # and closed it at --write-timeout (3 s)
     assert grown < 20
 
 
