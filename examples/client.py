@@ -11,12 +11,17 @@ calls with the same key (say, one conversation's turns) reach the same replica, 
 shared prefix is cached.
 
     python examples/client.py --routing-key conversation-42 "What is the capital of France?"
+
+Over TLS (a server started with --tls-cert-file and --tls-key-file), `--tls-ca-file CA.pem`
+checks the server's certificate; with mutual TLS, `--tls-cert-file` and `--tls-key-file` give
+the client's own.
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import ssl
 import sys
 
 from grpclib import GRPCError
@@ -45,8 +50,19 @@ def request_from(args: argparse.Namespace) -> pb.GenerateRequest:
     return pb.GenerateRequest(messages=pb.ChatMessages(messages=messages), sampling=sampling)
 
 
+def tls_of(args: argparse.Namespace) -> ssl.SSLContext | None:
+    """TLS 1.2 or later with ALPN h2, as gRPC requires; None for plaintext."""
+    if args.tls_ca_file is None:
+        return None
+    context = ssl.create_default_context(cafile=args.tls_ca_file)
+    context.set_alpn_protocols(["h2"])
+    if args.tls_cert_file:
+        context.load_cert_chain(args.tls_cert_file, args.tls_key_file)
+    return context
+
+
 async def main(args: argparse.Namespace) -> int:
-    async with Channel(args.host, args.port) as channel:
+    async with Channel(args.host, args.port, ssl=tls_of(args)) as channel:
         stub = LoomStub(channel)
         try:
             metadata = {"loom-routing-key": args.routing_key} if args.routing_key else None
@@ -89,4 +105,7 @@ if __name__ == "__main__":
     parser.add_argument("--seed", type=int, default=None)
     parser.add_argument("--stop", action="append", default=[], help="a stop string (repeatable)")
     parser.add_argument("--timeout", type=float, default=None, help="the call's deadline, seconds")
+    parser.add_argument("--tls-ca-file", default=None, help="TLS: the CAs to check the server by")
+    parser.add_argument("--tls-cert-file", default=None, help="mutual TLS: this client's cert")
+    parser.add_argument("--tls-key-file", default=None, help="mutual TLS: its private key")
     sys.exit(asyncio.run(main(parser.parse_args())))

@@ -31,6 +31,7 @@ from grpclib.reflection.service import ServerReflection
 
 from loom.engine.engine import Engine
 from loom.server.boundary.endpoint import Endpoint
+from loom.server.boundary.tls import server_context
 from loom.server.bridge import Count, TrioBridge
 from loom.server.config import ServerConfig
 from loom.server.drain import DrainPhase
@@ -44,6 +45,7 @@ class GrpcThread:
     def __init__(self, engine: Engine, config: ServerConfig) -> None:
         self.engine = engine
         self.config = config
+        self.tls = server_context(config.boundary)  # a bad file fails here, at start
         self.loop: asyncio.AbstractEventLoop | None = None
         self.stop_event: asyncio.Event | None = None
         self.stop_requested = False
@@ -93,7 +95,8 @@ class GrpcThread:
         self.servicer = servicer = LoomServicer(self.engine, TrioBridge(token, self.loop))
         services = ServerReflection.extend([servicer, Health({servicer: [self.health]})])
         registry = self.engine.metrics.registry
-        self.endpoint = Endpoint(services, self.config.boundary, boundary_refusals(registry))
+        refused = boundary_refusals(registry)
+        self.endpoint = Endpoint(services, self.config.boundary, refused, self.tls)
         try:
             port = await self.endpoint.start(self.config.host, self.config.port)
             if self.config.metrics_port is not None:

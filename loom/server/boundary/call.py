@@ -48,15 +48,17 @@ def framed(message: Any) -> bytes:
 
 
 class Peer:
-    def __init__(self, address: Any) -> None:
+    def __init__(self, address: Any, cert: dict[str, Any] | None) -> None:
         self.address = address
+        self.certificate = cert
 
     def addr(self) -> Any:
         """The peer's (host, port)."""
         return self.address
 
-    def cert(self) -> None:
-        return None  # no TLS (yet)
+    def cert(self) -> dict[str, Any] | None:
+        """The peer's TLS certificate, as `ssl.SSLSocket.getpeercert` gives it (mutual TLS)."""
+        return self.certificate
 
 
 class Call:
@@ -77,7 +79,7 @@ class Call:
         self.deadline = deadline
         self.metadata = metadata
         self.user_agent = dict(headers).get("user-agent")
-        self.peer = Peer(connection.peer_address)
+        self.peer = Peer(connection.peer_address, connection.peer_cert)
         self.started = asyncio.get_running_loop().time()
         self.inbound = Inbound(self)
         self.window_open = asyncio.Event()

@@ -116,6 +116,13 @@ class BoundaryConfig:
         "seconds a peer may leave what it was sent untaken before its connection is closed",
         check=above(0),
     )
+    tls_cert_file: str | None = setting(
+        None, "serve TLS (ALPN h2) with this certificate chain, PEM; with --tls-key-file"
+    )
+    tls_key_file: str | None = setting(None, "the certificate's private key, PEM")
+    tls_client_ca_file: str | None = setting(
+        None, "mutual TLS: require client certificates signed by these CAs, PEM"
+    )
     write_buffer_bytes: int = setting(
         64 << 10,
         "bytes written to one connection and not yet taken by its peer before the server "
@@ -123,3 +130,9 @@ class BoundaryConfig:
         check=at_least(1024),
         parse=byte_size,
     )
+
+    def __attrs_post_init__(self) -> None:
+        if (self.tls_cert_file is None) != (self.tls_key_file is None):
+            raise ValueError("tls_cert_file and tls_key_file go together")
+        if self.tls_client_ca_file is not None and self.tls_cert_file is None:
+            raise ValueError("tls_client_ca_file needs tls_cert_file and tls_key_file")

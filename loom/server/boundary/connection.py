@@ -75,6 +75,7 @@ class Connection(asyncio.Protocol):
         self.loop = asyncio.get_running_loop()
         self.transport: asyncio.Transport | None = None
         self.peer_address: Any = None
+        self.peer_cert: dict[str, Any] | None = None
         self.h2 = H2Connection(H2Configuration(client_side=False, header_encoding=None))
         self.gate = FrameGate(
             GateLimits(
@@ -102,6 +103,7 @@ class Connection(asyncio.Protocol):
         self.transport = transport  # type: ignore[assignment]
         assert self.transport is not None
         self.peer_address = transport.get_extra_info("peername")
+        self.peer_cert = transport.get_extra_info("peercert")  # with mutual TLS
         sock = transport.get_extra_info("socket")
         if sock is not None and sock.family in (socket.AF_INET, socket.AF_INET6):
             sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)

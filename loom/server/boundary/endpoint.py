@@ -11,6 +11,7 @@ import asyncio
 import contextlib
 import logging
 import socket
+import ssl
 from collections.abc import Callable, Iterable
 from typing import Any
 
@@ -51,7 +52,11 @@ class RequestBudget:
 
 class Endpoint:
     def __init__(
-        self, services: Iterable[Any], config: BoundaryConfig, on_refused: Callable[[str], None]
+        self,
+        services: Iterable[Any],
+        config: BoundaryConfig,
+        on_refused: Callable[[str], None],
+        tls: ssl.SSLContext | None = None,
     ) -> None:
         self.mapping: dict[str, Any] = {}
         for service in services:
@@ -59,6 +64,7 @@ class Endpoint:
         self.config = config
         self.on_refused = on_refused
         self.budget = RequestBudget(config.max_buffered_request_bytes)
+        self.tls = tls
         self.listener = Listener(config, self.accepted, self.refused)
         self.connections: set[Connection] = set()
         self.setting_up: set[asyncio.Task[Any]] = set()  # accepted, not yet connected
@@ -82,15 +88,25 @@ class Endpoint:
         """A connection within the caps: its protocol is made on the loop's next turns. In a
         drain, it counts as unheard until connected (then told, like the others)."""
         loop = asyncio.get_running_loop()
-        task = loop.create_task(loop.connect_accepted_socket(lambda: Connection(self, host), sock))
+        connect = loop.connect_accepted_socket(
+            lambda: Connection(self, host),
+            sock,
+            ssl=self.tls,
+            ssl_handshake_timeout=self.config.preface_timeout if self.tls else None,
+            ssl_shutdown_timeout=self.config.write_timeout if self.tls else None,
+        )
+        task = loop.create_task(connect)
         self.setting_up.add(task)
 
         def done(task: asyncio.Task[Any]) -> None:
             self.setting_up.discard(task)
             if task.cancelled() or task.exception() is not None:
-                log.warning("a connection from %s failed to start: %r", host, task)
+                # A TLS handshake that failed or never came (a plaintext client, a scanner).
+                log.debug("a connection from %s failed to start: %r", host, task.exception())
+                self.refused("tls_handshake" if self.tls else "connection_setup")
                 self.listener.released(host)
-                sock.close()
+                if task.cancelled():
+                    sock.close()  # (else asyncio closed its transport, and the socket with it)
 
         task.add_done_callback(done)
         if self.phase is not DrainPhase.SERVING:

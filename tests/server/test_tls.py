@@ -1,0 +1,146 @@
+"""TLS and mutual TLS at the network boundary (loom/server/boundary/tls.py), with certificates
+made at test time (trustme), against grpclib and grpcio clients: both are served over TLS (ALPN
+h2); without a client certificate a mutual-TLS server refuses the handshake; a plaintext
+client to a TLS port is refused cleanly (no traceback in the server's log), and the server
+serves on.
+
+Rules: port 0; the server in this process; clients in worker threads; every test under
+`fail_after`.
+"""
+
+from __future__ import annotations
+
+import ssl
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+from pathlib import Path
+from typing import Any
+
+import grpc
+import pytest
+import trio
+import trustme
+from grpclib.client import Channel
+from grpclib.exceptions import StreamTerminatedError
+
+from loom.engine.config import EngineConfig
+from loom.engine.engine import Engine
+from loom.model.loader import LoadedModel
+from loom.server.boundary.config import BoundaryConfig
+from loom.server.boundary.tls import client_context
+from loom.server.config import ServerConfig
+from loom.server.health_probe import check
+from loom.server.supervisor import Supervisor
+from loom.v1 import loom_pb2 as pb
+from loom.v1.loom_grpc import LoomStub
+from tests.grpc_client import HOST, greedy, in_asyncio, token_ids
+
+GENERATE = "/loom.v1.Loom/Generate"
+
+
+@pytest.fixture
+def pki(tmp_path: Path) -> dict[str, Path]:
+    """A CA, a server certificate for 127.0.0.1, and a client certificate, as PEM files."""
+    ca = trustme.CA()
+    files = {name: tmp_path / f"{name}.pem" for name in ("ca", "cert", "key", "ccert", "ckey")}
+    ca.cert_pem.write_to_path(str(files["ca"]))
+    server = ca.issue_cert(HOST, "localhost")
+    server.cert_chain_pems[0].write_to_path(str(files["cert"]))
+    server.private_key_pem.write_to_path(str(files["key"]))
+    client = ca.issue_cert("tenant-a@example.com")
+    client.cert_chain_pems[0].write_to_path(str(files["ccert"]))
+    client.private_key_pem.write_to_path(str(files["ckey"]))
+    return files
+
+
+@asynccontextmanager
+async def tls_serving(loaded: LoadedModel, **tls: Any) -> AsyncIterator[int]:
+    config = ServerConfig(port=0, drain_timeout=5, boundary=BoundaryConfig(**tls))
+    server = Supervisor(Engine(EngineConfig(), lambda: loaded), config)
+    async with trio.open_nursery() as nursery:
+        port = await nursery.start(server.run)
+        try:
+            yield port
+        finally:
+            nursery.cancel_scope.cancel()
+
+
+def files_of(pki: dict[str, Path], *names: str) -> list[str]:
+    return [str(pki[name]) for name in names]
+
+
+async def grpclib_generate(port: int, context: ssl.SSLContext | None) -> list[int]:
+    async with Channel(HOST, port, ssl=context) as channel:
+        return token_ids(list(await LoomStub(channel).Generate(greedy([1, 2], 4), timeout=10)))
+
+
+def grpcio_generate(port: int, ca: Path, cert: Path | None = None, key: Path | None = None) -> int:
+    credentials = grpc.ssl_channel_credentials(
+        root_certificates=ca.read_bytes(),
+        private_key=key.read_bytes() if key else None,
+        certificate_chain=cert.read_bytes() if cert else None,
+    )
+    with grpc.secure_channel(f"{HOST}:{port}", credentials) as channel:
+        call = channel.unary_stream(
+            GENERATE,
+            request_serializer=pb.GenerateRequest.SerializeToString,
+            response_deserializer=pb.GenerateResponse.FromString,
+        )
+        responses = list(call(greedy([1, 2], 4), timeout=10))
+    return sum(len(r.delta.token_ids or r.final.delta.token_ids) for r in responses)
+
+
+async def test_tls_grpclib_and_grpcio_clients_are_served(
+    tiny_chat: LoadedModel, pki: dict[str, Path]
+) -> None:
+    cert, key = files_of(pki, "cert", "key")
+    async with tls_serving(tiny_chat, tls_cert_file=cert, tls_key_file=key) as port:
+        with trio.fail_after(30):
+            context = client_context(str(pki["ca"]))
+            assert len(await in_asyncio(grpclib_generate, port, context)) == 4
+            assert await trio.to_thread.run_sync(grpcio_generate, port, pki["ca"]) == 4
+            assert await in_asyncio(check, HOST, port, "", context) == "SERVING"
+
+
+async def test_tls_mutual_wants_a_client_certificate_from_the_ca(
+    tiny_chat: LoadedModel, pki: dict[str, Path]
+) -> None:
+    cert, key, ca = files_of(pki, "cert", "key", "ca")
+    tls = {"tls_cert_file": cert, "tls_key_file": key, "tls_client_ca_file": ca}
+    async with tls_serving(tiny_chat, **tls) as port:
+        with trio.fail_after(30):
+            with_cert = client_context(ca, *files_of(pki, "ccert", "ckey"))
+            assert len(await in_asyncio(grpclib_generate, port, with_cert)) == 4
+            served = await trio.to_thread.run_sync(
+                grpcio_generate, port, pki["ca"], pki["ccert"], pki["ckey"]
+            )
+            assert served == 4
+            with pytest.raises((ssl.SSLError, OSError, StreamTerminatedError)):
+                await in_asyncio(grpclib_generate, port, client_context(ca))  # no certificate
+            with pytest.raises(grpc.RpcError) as refused:
+                await trio.to_thread.run_sync(grpcio_generate, port, pki["ca"])
+            assert refused.value.code() is grpc.StatusCode.UNAVAILABLE  # type: ignore[attr-defined]
+
+
+async def test_tls_a_plaintext_client_is_refused_cleanly_and_the_server_serves_on(
+    tiny_chat: LoadedModel, pki: dict[str, Path], caplog: pytest.LogCaptureFixture
+) -> None:
+    cert, key = files_of(pki, "cert", "key")
+    async with tls_serving(tiny_chat, tls_cert_file=cert, tls_key_file=key) as port:
+        with trio.fail_after(30):
+            with pytest.raises(Exception):  # noqa: B017, PT011 (grpclib's word for it varies)
+                await in_asyncio(grpclib_generate, port, None)
+            context = client_context(str(pki["ca"]))
+            assert len(await in_asyncio(grpclib_generate, port, context)) == 4
+    failures = [r for r in caplog.records if r.levelname in ("ERROR", "CRITICAL")]
+    assert failures == [], [r.getMessage() for r in failures]
+
+
+def test_tls_settings_go_together_and_a_bad_file_fails_at_start(tiny: LoadedModel) -> None:
+    with pytest.raises(ValueError, match="tls_cert_file and tls_key_file go together"):
+        BoundaryConfig(tls_cert_file="cert.pem")
+    with pytest.raises(ValueError, match="tls_client_ca_file needs"):
+        BoundaryConfig(tls_client_ca_file="ca.pem")
+    boundary = BoundaryConfig(tls_cert_file="no.pem", tls_key_file="no.pem")
+    with pytest.raises(ValueError, match="tls_cert_file, tls_key_file: "):
+        Supervisor(Engine(EngineConfig(), lambda: tiny), ServerConfig(boundary=boundary))
