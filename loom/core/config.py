@@ -58,3 +58,9 @@ class CacheConfig:
 class SchedulerConfig:
     max_num_seqs: int = setting(64, "most sequences in one step", check=at_least(1))
     max_num_batched_tokens: int = setting(512, "most tokens in one step", check=at_least(1))
+    scheduling_policy: str = setting(
+        "fair",
+        "fair: tenants share by weight (loom/core/fair_share.py), each one's requests by "
+        "priority, then arrival; priority: by priority, then arrival; fcfs: by arrival",
+        choices=("fair", "priority", "fcfs"),
+    )

@@ -18,6 +18,7 @@ from typing import Any
 import attrs
 
 from loom.core.errors import InvalidRequestError
+from loom.core.fair_share import SHARED, Tenancy
 from loom.core.request import Request
 from loom.core.sampling_params import SamplingParams
 
@@ -137,6 +138,7 @@ class PromptChecker:
         arrival_time: float,
         deadline: float | None,
         cache_salt: str = "",
+        tenancy: Tenancy = SHARED,
     ) -> Request:
         """A checked request for a tokenised prompt."""
         return Request(
@@ -148,6 +150,7 @@ class PromptChecker:
             arrival_time=arrival_time,
             deadline=deadline,
             cache_salt=cache_salt,
+            tenancy=tenancy,
         )
 
     def check(self, token_ids: Sequence[int], max_tokens: int | None) -> int:

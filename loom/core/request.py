@@ -6,6 +6,7 @@ import enum
 
 import attrs
 
+from loom.core.fair_share import SHARED, Tenancy
 from loom.core.request_output import FinishReason
 from loom.core.sampling_params import SamplingParams
 
@@ -23,6 +24,7 @@ class RequestStatus(enum.IntEnum):
     FINISHED_STALLED = 7
     FINISHED_DEADLINE = 8
     FINISHED_ERROR = 9
+    FINISHED_REFUSED = 10
 
     @property
     def finished(self) -> bool:
@@ -41,6 +43,7 @@ FINISH_REASONS = {
     RequestStatus.FINISHED_STALLED: FinishReason.STALLED,
     RequestStatus.FINISHED_DEADLINE: FinishReason.DEADLINE,
     RequestStatus.FINISHED_ERROR: FinishReason.ERROR,
+    RequestStatus.FINISHED_REFUSED: FinishReason.REFUSED,
 }
 
 
@@ -69,6 +72,11 @@ class Request:
     cache_salt: str = ""  # in the first block's hash: different salts share no KV block
     block_hashes: list[bytes] = attrs.field(init=False, factory=list)  # of its full blocks
     num_cached_tokens: int = 0  # prompt tokens its first admission found in the prefix cache
+    tenancy: Tenancy = SHARED
+
+    @property
+    def tenant(self) -> str:
+        return self.tenancy.tenant
 
     @property
     def num_prompt_tokens(self) -> int:

@@ -15,6 +15,7 @@ class FinishReason(enum.StrEnum):
     STALLED = "stalled"  # the consumer stopped reading for longer than the stall timeout
     DEADLINE = "deadline"  # the request's deadline passed, queued or mid-decode
     ERROR = "error"  # the engine stopped or crashed
+    REFUSED = "refused"  # queued, then its place given to a tenant below its share
 
 
 @attrs.frozen(kw_only=True)
@@ -54,7 +55,7 @@ class RequestOutput:
     text: str = ""
     logprobs: tuple[Logprobs, ...] = ()
     finish_reason: FinishReason | None = None
-    error: str | None = None  # why, for ABORTED, STALLED, DEADLINE and ERROR
+    error: str | None = None  # why, for ABORTED, STALLED, DEADLINE, ERROR and REFUSED
     usage: Usage | None = None
     timings: Timings | None = None
 

@@ -14,6 +14,10 @@ queue. Victims: paused requests first (the longest paused first), then the lates
 Waiting requests are admitted only in steps that preempted nothing; a preempted request resumes
 only when blocks for all its tokens are free, so that it does not thrash.
 
+The next admitted is the `scheduling_policy`'s: `fair` (default) shares slots and tokens between
+tenants by weight, preempting for one below its share (loom/core/fair_share.py); `priority`
+and `fcfs` order by priority then arrival, or arrival. A victim for blocks: lowest priority.
+
 With prefix caching, a waiting request first takes the cached blocks that hold the longest run
 of its full blocks (whole blocks only, never its last token: a step must compute at least one
 token to sample from), counts them as computed and prefills only the rest; budgets and block
@@ -29,19 +33,21 @@ returns a `ModelRunnerOutput`, and `update` applies it in one pass: computed tok
 sampled token, detokenised (loom/core/output_processor.py), and every stop it makes (EOS, stop
 token ids, max_tokens, which admission keeps within the context length, and stop strings): its
 output is a delta or, for a request it finished, the final one. `finish` is the one place a
-request ends, whatever ends it (a token stop, a
-stop string, an abort, a deadline, a stall, shutdown): its blocks are freed there, once. A
-request finished while its step runs keeps that finish; the step's token for it is dropped.
+request ends, whatever ends it (a token stop, a stop string, an abort, a deadline, a stall,
+shutdown, a refusal): its blocks are freed there, once. A request finished while its step
+runs keeps that finish; the step's token for it is dropped (timers: loom/core/expiry.py).
 """
 
 from __future__ import annotations
 
 from collections import Counter, deque
+from collections.abc import Iterator
 
 import attrs
 
 from loom.core.block_manager import BlockManager
 from loom.core.config import SchedulerConfig
+from loom.core.fair_share import FairShare
 from loom.core.output_processor import OutputProcessor
 from loom.core.prefix_cache import cache_full_blocks, cached_prefix
 from loom.core.request import FINISH_REASONS, Request, RequestStatus
@@ -54,6 +60,7 @@ class Scheduler:
     config: SchedulerConfig
     block_manager: BlockManager
     outputs: OutputProcessor = attrs.field(factory=lambda: OutputProcessor(None))
+    fair: FairShare = attrs.field(factory=FairShare)
     requests: dict[str, Request] = attrs.field(factory=dict)  # unfinished: waiting or running
     waiting: deque[Request] = attrs.field(factory=deque)
     running: list[Request] = attrs.field(factory=list)
@@ -72,6 +79,7 @@ class Scheduler:
         self.outputs.add_request(request)
         self.waiting.append(request)
         self.num_prompt_tokens += request.num_prompt_tokens
+        self.fair.added(request.tenant, request.tenancy.weight)
 
     def has_unfinished(self) -> bool:
         return bool(self.requests)
@@ -90,6 +98,11 @@ class Scheduler:
     def schedule(self, now: float) -> SchedulerOutput | None:
         budget = self.config.max_num_batched_tokens
         chosen: list[tuple[Request, int]] = []
+        if self.config.scheduling_policy == "fair":
+            margin = 2 * self.config.max_num_batched_tokens  # two full steps' service
+            seqs = self.config.max_num_seqs
+            for victim in self.fair.rebalance(self.waiting, self.running, seqs, margin):
+                self.preempt(victim)
         num_preemptions = self.num_preemptions
         for request in list(self.running):
             if budget == 0 or len(chosen) == self.config.max_num_seqs:
@@ -104,9 +117,11 @@ class Scheduler:
             self.admit_waiting(chosen, budget)
         if not chosen:
             return None
-        for request, _ in chosen:
+        for request, num_new in chosen:
             if request.first_scheduled_time is None:
                 request.first_scheduled_time = now
+            samples = request.num_computed_tokens + num_new == request.num_tokens
+            self.fair.served(request.tenant, num_new, samples)
         return SchedulerOutput(sequences=tuple(self.scheduled(r, n) for r, n in chosen))
 
     def reserve(self, request: Request, num_new: int, chosen: list[tuple[Request, int]]) -> bool:
@@ -124,7 +139,9 @@ class Scheduler:
 
     def pick_victim(self, exclude: list[Request]) -> Request:
         candidates = [r for r in self.running if r not in exclude]
-        return self.longest_paused(candidates) or candidates[-1]
+        fcfs = self.config.scheduling_policy == "fcfs"
+        last = max(reversed(candidates), key=lambda r: (0 if fcfs else r.tenancy.priority))
+        return self.longest_paused(candidates) or last
 
     @staticmethod
     def longest_paused(requests: list[Request]) -> Request | None:
@@ -143,11 +160,9 @@ class Scheduler:
     def admit_waiting(self, chosen: list[tuple[Request, int]], budget: int) -> None:
         bm = self.block_manager
         num_active = self.num_active()  # counted once: this loop may see thousands waiting
-        for request in list(self.waiting):
+        for request in self.admission_order():
             if budget == 0 or num_active >= self.config.max_num_seqs:
                 return
-            if request.paused:
-                continue  # preempted while its consumer was not reading: wait for a resume
             cached = cached_prefix(bm, request)
             num_cached = len(cached) * bm.block_size
             if request.status is RequestStatus.PREEMPTED and not self.make_room(
@@ -171,6 +186,15 @@ class Scheduler:
             chosen.append((request, num_new))
             budget -= num_new
             num_active += 1
+
+    def admission_order(self) -> Iterator[Request]:
+        """Unpaused waiting requests, the next first (a paused one waits for a resume)."""
+        if self.config.scheduling_policy == "fair":
+            return self.fair.admission_order(self.waiting)
+        waiting = [r for r in self.waiting if not r.paused]
+        if self.config.scheduling_policy == "priority":
+            waiting.sort(key=lambda r: (r.tenancy.priority, r.arrival_time))
+        return iter(waiting)
 
     def make_room(self, request_id: str, num_tokens: int, cached: list[int]) -> bool:
         """Whether blocks for `num_tokens` of a waiting request (with its `cached` prefix) are
@@ -260,6 +284,7 @@ class Scheduler:
         request.error = error
         self.block_manager.free(request.request_id)
         self.finished[FINISH_REASONS[status]] += 1
+        self.fair.finished(request.tenant)
         return True
 
     def pause(self, request: Request, now: float) -> None:
@@ -273,27 +298,3 @@ class Scheduler:
             return False
         request.paused_since = None
         return True
-
-    def expired(self, now: float, stall_timeout: float) -> list[tuple[Request, RequestStatus, str]]:
-        """Requests whose deadline passed, or whose consumer stalled past the timeout: each with
-        how it ends and why."""
-        found = []
-        for request in self.requests.values():
-            if request.deadline is not None and now >= request.deadline:
-                where = "while queued" if request.first_scheduled_time is None else "mid-decode"
-                error = f"the deadline passed {where}"
-                found.append((request, RequestStatus.FINISHED_DEADLINE, error))
-            elif request.paused_since is not None and now - request.paused_since >= stall_timeout:
-                error = f"the client read nothing for stall_timeout={stall_timeout} s"
-                found.append((request, RequestStatus.FINISHED_STALLED, error))
-        return found
-
-    def next_timer(self, stall_timeout: float) -> float:
-        """The earliest deadline or stall expiry, or +inf."""
-        times = [r.deadline for r in self.requests.values() if r.deadline is not None]
-        times += [
-            r.paused_since + stall_timeout
-            for r in self.requests.values()
-            if r.paused_since is not None
-        ]
-        return min(times, default=float("inf"))

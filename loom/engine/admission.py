@@ -1,6 +1,6 @@
 """Admission: requests on their way from `Engine.submit` to the scheduler.
 
-    submit ── refused at once: queue full, prompt too large
+    submit ── refused at once: queue full, the tenant's share of it taken, prompt too large
        │
        ▼ admission channel (bounded by max_waiting_requests)
     admission task ── token ids: checked at once, in order
@@ -11,6 +11,11 @@
        │
        ▼ admit(submission, request): the engine hands the request to the scheduler
 
+With the fair policy the waiting queue is shared by weight (loom/core/fair_share.py): while
+others are queued, a tenant holding its share is refused; when the queue is full, a tenant below
+its share takes the place of the newest never-run request of the tenant furthest above its own,
+and that request ends REFUSED (RESOURCE_EXHAUSTED, the reason named).
+
 A submission is pending from `submit` until it is admitted or refused. Aborting it removes it
 from `pending`; it is then dropped: only the very submission still pending under its id is
 admitted. A refusal found after `submit` returned ends the submission's stream with the error.
@@ -19,6 +24,7 @@ admitted. A refusal found after `submit` returned ends the submission's stream w
 from __future__ import annotations
 
 import uuid
+from collections import Counter
 from collections.abc import Callable
 from functools import partial
 
@@ -26,8 +32,9 @@ import attrs
 import trio
 
 from loom.core.errors import EngineOverloadedError
+from loom.core.fair_share import Tenancy
 from loom.core.prompt import Prompt, PromptChecker, needs_tokenizer
-from loom.core.request import Request
+from loom.core.request import Request, RequestStatus
 from loom.core.sampling_params import SamplingParams
 from loom.core.scheduler import Scheduler
 from loom.engine.config import CHARS_PER_TOKEN, EngineConfig
@@ -46,6 +53,7 @@ class Submission:
     arrival_time: float
     deadline: float | None
     cache_salt: str
+    tenancy: Tenancy
     stream: RequestStream
 
 
@@ -54,7 +62,9 @@ class Admission:
         self.config = config
         self.prompts = prompts
         self.scheduler = scheduler
-        self.send, self.recv = trio.open_memory_channel[Submission](config.max_waiting_requests)
+        self.send, self.recv = trio.open_memory_channel[Submission](
+            2 * config.max_waiting_requests  # with the places taken from pending ones
+        )
         self.pending: dict[str, Submission] = {}  # submitted, not yet admitted nor refused
         # Sent and not yet handled, aborted ones included: never above the channel's capacity,
         # so that `send_nowait` cannot block.
@@ -64,6 +74,8 @@ class Admission:
         self.tokenizers = trio.CapacityLimiter(1)
         self.done = False  # the channel is closed and every submission in it handled
         self.on_refused: Callable[[Exception], None] = lambda exc: None  # metrics
+        # A queued request whose place a tenant below its share takes (the engine ends it).
+        self.push_out: Callable[[Request, str], None] = lambda request, why: None
 
     @classmethod
     def for_model(
@@ -87,6 +99,7 @@ class Admission:
         *,
         deadline: float | None,
         cache_salt: str,
+        tenancy: Tenancy,
         abort: Callable[[str], None],
         resume: Callable[[str], None],
     ) -> RequestStream:
@@ -94,12 +107,7 @@ class Admission:
         stream's consumer reaches the engine's `abort` and `resume` for this id alone."""
         self.prompts.check_size(prompt)
         self.prompts.check_cache_salt(cache_salt)
-        num_queued = self.scheduler.num_waiting() + self.num_unhandled
-        if num_queued >= self.config.max_waiting_requests:
-            raise EngineOverloadedError(
-                f"the waiting queue is full: {num_queued} requests "
-                f"(max_waiting_requests={self.config.max_waiting_requests})"
-            )
+        self.make_place(tenancy)
         request_id = uuid.uuid4().hex
         stream = RequestStream(
             request_id,
@@ -114,12 +122,74 @@ class Admission:
             arrival_time=trio.current_time(),
             deadline=deadline,
             cache_salt=cache_salt,
+            tenancy=tenancy,
             stream=stream,
         )
         self.send.send_nowait(submission)
         self.pending[request_id] = submission
         self.num_unhandled += 1
         return stream
+
+    def make_place(self, tenancy: Tenancy) -> None:
+        """A place in the waiting queue for a request of this tenant, or why there is none."""
+        limit = self.config.max_waiting_requests
+        if self.num_unhandled + 1 >= 2 * limit:  # the channel's capacity (see __init__)
+            raise EngineOverloadedError(
+                f"the waiting queue is full: {self.num_unhandled} requests being admitted "
+                f"(max_waiting_requests={limit})"
+            )
+        queued = Counter(s.tenancy.tenant for s in self.pending.values())
+        queued.update(r.tenant for r in self.scheduler.waiting if not r.paused)
+        num_queued = sum(queued.values())
+        mine = queued[tenancy.tenant]
+        if self.config.scheduler.scheduling_policy != "fair" or num_queued == mine:
+            if num_queued >= limit:  # (alone, a tenant may fill the queue)
+                raise EngineOverloadedError(
+                    f"the waiting queue is full: {num_queued} requests "
+                    f"(max_waiting_requests={limit})"
+                )
+            return
+        weights = self.scheduler.fair.weights
+        weight = {t: weights.get(t, 1.0) for t in queued} | {tenancy.tenant: tenancy.weight}
+        share = limit * tenancy.weight / sum(weight.values())
+        if mine >= share:
+            raise EngineOverloadedError(
+                f"tenant {tenancy.tenant!r} holds {mine} of the waiting queue's places, its share "
+                f"while others wait (max_waiting_requests={limit} by weight: {tenancy.weight} "
+                f"of {sum(weight.values())})"
+            )
+        if num_queued >= limit:
+            self.push_out_for(tenancy.tenant, queued, weight, limit)
+
+    def push_out_for(
+        self, tenant: str, queued: Counter[str], weight: dict[str, float], limit: int
+    ) -> None:
+        """Give `tenant` the place of the newest never-run request of the tenant furthest above
+        its share; refuse it if that one is not in the scheduler's queue yet."""
+        total = sum(weight.values())
+        over = max(queued, key=lambda t: queued[t] - limit * weight[t] / total)
+        why = (
+            f"refused: tenant {over!r} held {queued[over]} of the waiting queue's places, above "
+            f"its share (max_waiting_requests={limit} by weight), and tenant {tenant!r} below "
+            "its share took this one"
+        )
+        victims = [
+            r
+            for r in self.scheduler.waiting
+            if r.tenant == over and r.status is RequestStatus.WAITING and not r.paused
+        ]
+        pending = [s for s in self.pending.values() if s.tenancy.tenant == over]
+        if victims:
+            self.push_out(max(victims, key=lambda r: r.arrival_time), why)
+        elif pending:
+            submission = max(pending, key=lambda s: s.arrival_time)
+            del self.pending[submission.request_id]  # the admission task drops it
+            self.refuse(submission, EngineOverloadedError(why))
+        else:
+            raise EngineOverloadedError(
+                f"the waiting queue is full: {sum(queued.values())} requests "
+                f"(max_waiting_requests={limit})"
+            )
 
     def abort(self, request_id: str) -> bool:
         """Drop a submission not yet admitted. False if none is pending under that id."""
@@ -170,6 +240,7 @@ class Admission:
                 arrival_time=submission.arrival_time,
                 deadline=submission.deadline,
                 cache_salt=submission.cache_salt,
+                tenancy=submission.tenancy,
             )
             self.check_backlog(request.num_prompt_tokens)
         except Exception as exc:  # invalid or overloaded

@@ -17,6 +17,7 @@ import trio
 
 from loom.core.config import CacheConfig
 from loom.core.errors import EngineDeadError, EngineOverloadedError, InvalidRequestError
+from loom.core.fair_share import SHARED, Tenancy
 from loom.core.prompt import Prompt
 from loom.core.request_output import RequestOutput
 from loom.core.sampling_params import SamplingParams
@@ -98,6 +99,7 @@ class Engine:
         *,
         deadline: float | None = None,
         cache_salt: str = "",
+        tenancy: Tenancy = SHARED,
     ) -> RequestStream:
         """Queue a request; its outputs arrive in the returned stream, whose `request_id` is the
         engine's own. Raises at once EngineDeadError when the engine is not serving,
@@ -111,6 +113,7 @@ class Engine:
                 sampling or SamplingParams(),
                 deadline=deadline,
                 cache_salt=cache_salt,
+                tenancy=tenancy,
                 abort=self.abort,
                 resume=self.resume,
             )
@@ -126,11 +129,14 @@ class Engine:
         *,
         deadline: float | None = None,
         cache_salt: str = "",
+        tenancy: Tenancy = SHARED,
     ) -> AsyncIterator[AsyncIterator[RequestOutput]]:
         """`async with engine.generate(...) as outputs: async for output in outputs: ...`
 
         Leaving the block early, by cancellation or an error, aborts the request."""
-        stream = self.submit(prompt, sampling, deadline=deadline, cache_salt=cache_salt)
+        stream = self.submit(
+            prompt, sampling, deadline=deadline, cache_salt=cache_salt, tenancy=tenancy
+        )
         try:
             async with aclosing(stream.outputs()) as outputs:
                 yield outputs

@@ -29,6 +29,7 @@ import trio
 
 from loom.core.block_manager import BlockManager
 from loom.core.errors import EngineDeadError
+from loom.core.expiry import expired, next_timer
 from loom.core.output_processor import OutputProcessor
 from loom.core.request import Request, RequestStatus
 from loom.core.request_output import FinishReason, RequestOutput
@@ -65,6 +66,7 @@ class EngineCore:
         self.scheduler = Scheduler(config.scheduler, blocks, OutputProcessor(loaded.tokenizer))
         self.admission = Admission.for_model(config, loaded, runner, self.scheduler)
         self.admission.on_refused = metrics.refused
+        self.admission.push_out = self.push_out
         self.streams: dict[str, RequestStream] = {}  # admitted, unfinished requests
         self.wakeup = trio.Event()
         self.limiter = trio.CapacityLimiter(1)
@@ -100,7 +102,9 @@ class EngineCore:
                 return
             else:
                 self.publish_stats()
-                with trio.move_on_at(self.scheduler.next_timer(self.config.stall_timeout)):
+                with trio.move_on_at(
+                    next_timer(self.scheduler.requests.values(), self.config.stall_timeout)
+                ):
                     await self.wakeup.wait()
 
     async def step(self, output: SchedulerOutput) -> None:
@@ -123,7 +127,8 @@ class EngineCore:
             self.scheduler.pause(request, now)
 
     def expire(self, now: float) -> None:
-        for request, status, error in self.scheduler.expired(now, self.config.stall_timeout):
+        requests = self.scheduler.requests.values()
+        for request, status, error in expired(requests, now, self.config.stall_timeout):
             self.finish(request, status, error=error)
 
     def finish(self, request: Request, status: RequestStatus, *, error: str) -> None:
@@ -131,6 +136,10 @@ class EngineCore:
         if self.scheduler.finish(request, status, error):
             now = trio.current_time()
             self.end_stream(request, self.scheduler.outputs.final(request, now), now)
+
+    def push_out(self, request: Request, why: str) -> None:
+        """A queued request's place taken by a tenant below its share (loom/engine/admission.py)."""
+        self.finish(request, RequestStatus.FINISHED_REFUSED, error=why)
 
     def end_stream(self, request: Request, final: RequestOutput, now: float) -> None:
         self.metrics.ended(request, now)

@@ -18,6 +18,7 @@ log = logging.getLogger(__name__)
 ABNORMAL_STATUS = {
     FinishReason.DEADLINE: Status.DEADLINE_EXCEEDED,
     FinishReason.STALLED: Status.RESOURCE_EXHAUSTED,
+    FinishReason.REFUSED: Status.RESOURCE_EXHAUSTED,
     FinishReason.ERROR: Status.UNAVAILABLE,
     FinishReason.ABORTED: Status.CANCELLED,
 }

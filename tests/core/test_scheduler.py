@@ -6,6 +6,7 @@ import pytest
 
 from loom.core.block_manager import BlockManager
 from loom.core.config import SchedulerConfig
+from loom.core.expiry import expired, next_timer
 from loom.core.request import RequestStatus
 from loom.core.sampling_params import SamplingParams
 from loom.core.scheduler import Scheduler
@@ -190,14 +191,14 @@ def test_scheduler_skips_paused_requests_and_reports_timers() -> None:
     step(scheduler)
     scheduler.pause(request, now=10.0)
     assert scheduler.schedule(now=11.0) is None
-    assert scheduler.next_timer(stall_timeout=5.0) == 15.0
-    assert scheduler.expired(now=14.0, stall_timeout=5.0) == []
-    assert scheduler.expired(now=15.0, stall_timeout=5.0) == [
+    assert next_timer(scheduler.requests.values(), stall_timeout=5.0) == 15.0
+    assert expired(scheduler.requests.values(), now=14.0, stall_timeout=5.0) == []
+    assert expired(scheduler.requests.values(), now=15.0, stall_timeout=5.0) == [
         (request, RequestStatus.FINISHED_STALLED, "the client read nothing for stall_timeout=5.0 s")
     ]
     assert scheduler.resume("a")
     assert not scheduler.resume("a")  # not paused any more
-    assert scheduler.expired(now=50.0, stall_timeout=5.0) == [
+    assert expired(scheduler.requests.values(), now=50.0, stall_timeout=5.0) == [
         (request, RequestStatus.FINISHED_DEADLINE, "the deadline passed mid-decode")
     ]
 

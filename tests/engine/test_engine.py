@@ -17,11 +17,13 @@ import attrs
 import pytest
 import trio
 import trio.lowlevel
+import trio.testing
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from loom.core.config import CacheConfig, SchedulerConfig
 from loom.core.errors import EngineDeadError, EngineOverloadedError, InvalidRequestError
+from loom.core.fair_share import Tenancy
 from loom.core.prompt import ChatMessage
 from loom.core.request_output import FinishReason, RequestOutput
 from loom.core.sampling_params import SamplingParams
@@ -337,6 +339,40 @@ async def test_engine_refuses_the_excess_when_the_queue_is_full() -> None:
             engine.submit([1, 2, 3], GREEDY)
         engine.abort(first.request_id)
         engine.abort(second.request_id)
+
+
+async def test_engine_shares_the_waiting_queue_between_tenants_by_weight() -> None:
+    """Alone, tenant a may fill the queue; b, below its share, takes the places of a's newest
+    (each ends REFUSED, why named); at its share, each is refused while the other waits."""
+    a, b = Tenancy(tenant="a"), Tenancy(tenant="b")
+    config = {"max_waiting_requests": 4, "scheduler": SchedulerConfig(max_num_seqs=1)}
+    async with serving(tiny_model("llama"), **config) as engine, trio.open_nursery() as readers:
+        with trio.fail_after(30):
+            running = engine.submit([1] * 5, SamplingParams(max_tokens=400), tenancy=a)
+            readers.start_soon(read_all, running)
+            await wait_until(lambda: engine.stats().num_running == 1)
+            queued = [engine.submit([2] * 3, GREEDY, tenancy=a) for _ in range(4)]
+            await trio.testing.wait_all_tasks_blocked()  # some admitted, or all: either way
+            taken = [engine.submit([3] * 3, GREEDY, tenancy=b) for _ in range(2)]
+            for pushed_out in (queued[3], queued[2]):
+                assert "refused: tenant 'a' held" in await refusal(pushed_out)
+            with pytest.raises(EngineOverloadedError, match="tenant 'b' holds 2 of"):
+                engine.submit([3] * 3, GREEDY, tenancy=b)
+            with pytest.raises(EngineOverloadedError, match="tenant 'a' holds 2 of"):
+                engine.submit([2] * 3, GREEDY, tenancy=a)
+            for stream in [running, *queued[:2], *taken]:
+                engine.abort(stream.request_id)
+
+
+async def refusal(stream: RequestStream) -> str:
+    """Why a queued request was refused: still being admitted, its stream fails; queued in the
+    scheduler, it ends REFUSED."""
+    try:
+        outputs = [o async for o in stream.outputs()]
+    except EngineOverloadedError as exc:
+        return str(exc)
+    assert outputs[-1].finish_reason is FinishReason.REFUSED
+    return outputs[-1].error or ""
 
 
 async def read_all(stream: RequestStream) -> None:

@@ -1,0 +1,159 @@
+"""Fair shares between tenants, by weight: whose waiting request is admitted next, whose running
+request yields its slot, and how much of the waiting queue a tenant may hold.
+
+Service is counted as the Virtual Token Counter does (Sheng et al., "Fairness in Serving Large
+Language Models", OSDI 2024): each tenant's counter grows by the tokens it is served over its
+weight, a computed token counting 1 and a sampled one 1 more (VTC's w_p = 1, w_q = 2).
+Recomputing a preempted request is served again, and counted again.
+
+- Admission takes the next request of the tenant with the lowest counter; within a tenant, the
+  lowest `priority`, then the earliest arrival.
+- A tenant that becomes backlogged (nothing unfinished before) has its counter lifted to the
+  lowest counter among the backlogged ones (VTC's lift): idling saves up no credit. Counters
+  never fall, so one at or below that minimum is forgotten when its tenant goes idle (it would
+  be lifted anyway), and all are when no tenant is backlogged.
+- Running slots: a tenant's share of `max_num_seqs` is its weight over the total weight of the
+  tenants with unfinished requests; its usage counts its running requests, paused ones too (a
+  client that does not read holds its share). Admission alone cannot take back a slot that a
+  long request holds (say, a tenant's 64 streams of 4,000 tokens), so when the slots are full
+  and a tenant below its share waits, the newest unpaused request of the tenant furthest above
+  its share is preempted (it recomputes later), if that tenant holds more than its share plus
+  one slot and was served more than the waiting one by over two full steps' tokens. Both
+  margins keep it from thrashing: the waiting tenant, served less, is admitted first, and the
+  victim's tenant still holds its share.
+- The waiting queue (loom/engine/admission.py): a tenant's share of `max_waiting_requests` is
+  its weight over the total weight of the tenants queued, itself included.
+
+Worked example, max_num_seqs = 4, tenants a (weight 1) and b (weight 3), a running 4 long
+requests, served far more than b: b arrives with 6; share_a = 4 * 1/4 = 1, share_b = 3. a holds
+3 slots above its share, more than one: its newest is preempted, then another, until a holds 2
+(one above its share: no more); b is admitted to the 2 slots freed, before a's preempted ones
+(b's counter is lower). b's next 4 are admitted as requests of either end.
+"""
+
+from __future__ import annotations
+
+import math
+from collections import Counter
+from collections.abc import Iterable, Iterator
+from typing import TYPE_CHECKING
+
+import attrs
+
+if TYPE_CHECKING:
+    from loom.core.request import Request
+
+MAX_PRIORITY = 1 << 20
+
+
+@attrs.frozen(kw_only=True)
+class Tenancy:
+    """Whose a request is, with what weight, and its `priority` within its tenant (lower first,
+    as vLLM's)."""
+
+    tenant: str = ""
+    weight: float = 1.0
+    priority: int = 0
+
+
+SHARED = Tenancy()  # one tenant for all, at weight 1 and priority 0: what an engine alone sees
+PROMPT_WEIGHT = 1.0  # VTC's w_p: a token computed
+SAMPLE_WEIGHT = 1.0  # VTC's w_q - w_p: a sampled token costs a computed one and this more
+HYSTERESIS = 1.0  # slots a tenant may hold above its share and keep
+
+
+@attrs.define
+class FairShare:
+    counters: dict[str, float] = attrs.field(factory=dict)
+    weights: dict[str, float] = attrs.field(factory=dict)  # of tenants with unfinished requests
+    num_unfinished: Counter[str] = attrs.field(factory=Counter)
+
+    def added(self, tenant: str, weight: float) -> None:
+        """A request of `tenant` arrived; a tenant that was idle is lifted."""
+        self.weights[tenant] = weight
+        if self.num_unfinished[tenant] == 0:
+            floor = min((self.counters[t] for t in self.backlogged()), default=0.0)
+            self.counters[tenant] = max(self.counters.get(tenant, 0.0), floor)
+        self.num_unfinished[tenant] += 1
+
+    def finished(self, tenant: str) -> None:
+        self.num_unfinished[tenant] -= 1
+        if self.num_unfinished[tenant] > 0:
+            return
+        del self.num_unfinished[tenant]
+        del self.weights[tenant]
+        backlogged = list(self.backlogged())
+        if not backlogged:
+            self.counters.clear()
+        elif self.counters[tenant] <= min(self.counters[t] for t in backlogged):
+            del self.counters[tenant]
+
+    def backlogged(self) -> Iterable[str]:
+        return self.num_unfinished.keys()
+
+    def served(self, tenant: str, num_computed: int, samples: bool) -> None:
+        cost = num_computed * PROMPT_WEIGHT + (SAMPLE_WEIGHT if samples else 0.0)
+        self.counters[tenant] += cost / self.weights[tenant]
+
+    def shares(self, total: int, tenants: Iterable[str]) -> dict[str, float]:
+        """`total` split between `tenants` by weight."""
+        wanting = set(tenants)
+        weight = sum(self.weights[t] for t in wanting)
+        return {t: total * self.weights[t] / weight for t in wanting}
+
+    def admission_order(self, waiting: Iterable[Request]) -> Iterator[Request]:
+        """The unpaused waiting requests, next to admit first. Lazy: what was admitted before
+        (its service, counted as it is scheduled) orders what comes next."""
+        queues: dict[str, list[Request]] = {}
+        for request in waiting:
+            if not request.paused:
+                queues.setdefault(request.tenant, []).append(request)
+        for queue in queues.values():  # the next one last, to pop; ties in queue order
+            queue.sort(key=lambda r: (r.tenancy.priority, r.arrival_time))
+            queue.reverse()
+        while queues:
+            tenant = min(queues, key=lambda t: self.counters[t])
+            queue = queues[tenant]
+            yield queue.pop()
+            if not queue:
+                del queues[tenant]
+
+    def rebalance(
+        self, waiting: Iterable[Request], running: list[Request], max_num_seqs: int, margin: float
+    ) -> list[Request]:
+        """The running requests to preempt so that waiting tenants below their share of the
+        slots get it: only when the slots are full, each the newest unpaused request of the
+        tenant furthest above its share by more than the hysteresis and served more than the
+        waiting tenant by more than `margin` (weighted tokens)."""
+        num_free = max_num_seqs - sum(not r.paused for r in running)
+        wants = Counter(r.tenant for r in waiting if not r.paused)
+        if not wants:
+            return []
+        usage = Counter(r.tenant for r in running)
+        shares = self.shares(max_num_seqs, self.backlogged())
+        active = [r for r in running if not r.paused]
+        victims: list[Request] = []
+        for tenant in sorted(wants, key=lambda t: self.counters[t]):
+            num_wanted = min(wants[tenant], math.ceil(shares[tenant] - usage[tenant]))
+            for _ in range(max(num_wanted, 0)):
+                if num_free > 0:
+                    num_free -= 1
+                else:
+                    over = {
+                        t: usage[t] - shares[t]
+                        for t in {r.tenant for r in active}
+                        if usage[t] - shares[t] > HYSTERESIS
+                        and self.counters[t] > self.counters[tenant] + margin
+                    }
+                    if not over:
+                        return victims
+                    victim_tenant = max(over, key=lambda t: over[t])
+                    victim = max(
+                        (r for r in reversed(active) if r.tenant == victim_tenant),
+                        key=lambda r: r.arrival_time,
+                    )
+                    active.remove(victim)
+                    usage[victim_tenant] -= 1
+                    victims.append(victim)
+                usage[tenant] += 1
+        return victims
