@@ -15,14 +15,20 @@ from loom.model.loader import LoadedModel
 from loom.model.model_runner import ModelRunner
 from loom.server.config import ServerConfig
 from loom.server.supervisor import Supervisor
+from loom.server.tenants import TenantConfig
 
 
 @asynccontextmanager
 async def serving(
-    loaded: LoadedModel, make_runner: RunnerFactory = ModelRunner, **config: Any
+    loaded: LoadedModel,
+    make_runner: RunnerFactory = ModelRunner,
+    *,
+    tenants: TenantConfig | None = None,
+    **config: Any,
 ) -> AsyncIterator[tuple[Supervisor, int]]:
     engine = Engine(EngineConfig(**config), lambda: loaded, make_runner=make_runner)
-    server = Supervisor(engine, ServerConfig(port=0, drain_timeout=5))
+    settings = ServerConfig(port=0, drain_timeout=5, tenants=tenants or TenantConfig())
+    server = Supervisor(engine, settings)
     async with trio.open_nursery() as nursery:
         port = await nursery.start(server.run)
         try:

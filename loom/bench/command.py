@@ -18,6 +18,7 @@ from loom.bench.llama_cpp import check_llama_server, launched_llama_server
 from loom.bench.measure import measure, measure_caching_off, report
 from loom.bench.metrics import Objectives
 from loom.bench.serving import launched_process
+from loom.bench.tenants import ratio_of, report_tenants, run_tenants
 from loom.core.setting import at_least
 from loom.model.linear import METHODS
 from loom.model.loader import LoadedModel, default_model_path, load_model
@@ -97,6 +98,14 @@ def add_parser(commands: Any) -> argparse.ArgumentParser:
         help="also drive llama.cpp's llama-server binary at PATH on the model's GGUF file, "
         "same prompts (see loom/bench/llama_cpp.py)",
     )
+    add(
+        "--tenants",
+        default=None,
+        metavar="HEAVY:LIGHT",
+        help="two tenants, e.g. 4:1: a heavy one at 4x a light one's load (concurrency and "
+        "requests; the light one's: the first --concurrency), on launched servers: the light "
+        "one alone, both under the fair scheduler, both under FCFS (loom/bench/tenants.py)",
+    )
     add("--goodput", default="", help="latency objectives in ms, e.g. ttft=2000,tpot=200")
     add("--json", type=Path, default=None, help="write the results here")
     return bench
@@ -128,7 +137,8 @@ def serve_args_of(args: argparse.Namespace) -> list[str]:
     """`loom serve`'s flags for a launched server. Its clients are all this process, one
     connection each: the connection caps (per peer above all) make room for them."""
     serve_args = shlex.split(args.serve_args)
-    room = str(max(counts("--concurrency", args.concurrency)) + 16)
+    scale = ratio_of(args.tenants) + 1 if args.tenants else 1  # both tenants' connections
+    room = str(max(counts("--concurrency", args.concurrency)) * scale + 16)
     for flag in ("--max-connections", "--max-connections-per-peer"):
         if not any(arg == flag or arg.startswith(flag + "=") for arg in serve_args):
             serve_args += [flag, room]
@@ -165,6 +175,8 @@ def run(args: argparse.Namespace) -> int:
         raise ValueError(f"--request-rate must be above 0, got {args.request_rate}")
     if args.workload != "standard" and (args.baseline or args.llama_server):
         raise ValueError("--baseline and --llama-server run the standard workload only")
+    if args.tenants and (args.address or args.baseline or args.llama_server):
+        raise ValueError("--tenants launches its servers, with Loom alone: drop --address")
     if args.compare_prefix_caching and args.address:
         raise ValueError("--compare-prefix-caching launches both servers; drop --address")
     if args.llama_server is not None:
@@ -176,6 +188,8 @@ def run(args: argparse.Namespace) -> int:
     else:
         loaded = load_model(args.model, dtype=torch.float32, device=torch.device("cpu"))
         pad = loaded.tokenizer.pad_token_id or loaded.tokenizer.eos_token_id or 0
+    if args.tenants:
+        return run_tenants_of(args, loaded, concurrencies[0])
     with server_address(args) as (host, port), llama_server(args, concurrencies) as llama:
         try:
             results = [
@@ -192,6 +206,15 @@ def run(args: argparse.Namespace) -> int:
         args.json.write_text(json.dumps({"config": config, "runs": results}, indent=2, default=str))
     failed = report_failures(results)
     return 1 if failed or not compared else 0
+
+
+def run_tenants_of(args: argparse.Namespace, loaded: LoadedModel, concurrency: int) -> int:
+    result = run_tenants(args, loaded, serve_args_of(args), concurrency)
+    report_tenants(result)
+    if args.json:
+        args.json.write_text(json.dumps(result, indent=2, default=str))
+    runs = [figures for run in ("alone", "fair", "fcfs") for figures in result[run].values()]
+    return 1 if any(run["failed"] for run in runs) else 0
 
 
 def report_failures(results: list[dict[str, Any]]) -> int:

@@ -115,12 +115,13 @@ async def one_request(
     prompt: tuple[int, ...],
     output_len: int,
     received: list[int] | None = None,
+    metadata: dict[str, str] | None = None,
 ) -> RequestTiming:
     """One streamed request; its token ids go into `received`, if given."""
     start = time.perf_counter()
     times: list[float] = []
     try:
-        async with LoomStub(channel).Generate.open() as stream:
+        async with LoomStub(channel).Generate.open(metadata=metadata) as stream:
             await stream.send_message(request_for(prompt, output_len), end=True)
             async for response in stream:
                 now = time.perf_counter() - start
@@ -144,8 +145,10 @@ async def drive(
     request_rate: float,
     seed: int,
     progress: bool = True,
+    metadata: dict[str, str] | None = None,
 ) -> tuple[list[RequestTiming], float, dict[str, int]]:
-    """Run the workload; returns the timings, the wall time and what the server's stats showed."""
+    """Run the workload; returns the timings, the wall time and what the server's stats showed
+    (`metadata` goes with every request: a tenant's key or name)."""
     channels = [Channel(host, port) for _ in range(concurrency)]
     free = asyncio.Queue[Channel]()
     for channel in channels:
@@ -162,7 +165,7 @@ async def drive(
 
     async def run_one(prompt: tuple[int, ...], channel: Channel) -> RequestTiming:
         try:
-            return await one_request(channel, prompt, workload.output_len)
+            return await one_request(channel, prompt, workload.output_len, metadata=metadata)
         finally:
             free.put_nowait(channel)
             bar.update()

@@ -43,7 +43,7 @@ import attrs
 if TYPE_CHECKING:
     from loom.core.request import Request
 
-MAX_PRIORITY = 1 << 20
+MAX_PRIORITY = 1_000_000  # a request's priority, either way
 
 
 @attrs.frozen(kw_only=True)

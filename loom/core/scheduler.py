@@ -140,7 +140,7 @@ class Scheduler:
     def pick_victim(self, exclude: list[Request]) -> Request:
         candidates = [r for r in self.running if r not in exclude]
         fcfs = self.config.scheduling_policy == "fcfs"
-        last = max(reversed(candidates), key=lambda r: (0 if fcfs else r.tenancy.priority))
+        last = max(reversed(candidates), key=lambda r: 0 if fcfs else r.tenancy.priority)
         return self.longest_paused(candidates) or last
 
     @staticmethod

@@ -73,7 +73,7 @@ class Admission:
         # truncation transformers resets around each call, so two at once can collide.
         self.tokenizers = trio.CapacityLimiter(1)
         self.done = False  # the channel is closed and every submission in it handled
-        self.on_refused: Callable[[Exception], None] = lambda exc: None  # metrics
+        self.on_refused: Callable[[Exception, str], None] = lambda exc, tenant: None  # metrics
         # A queued request whose place a tenant below its share takes (the engine ends it).
         self.push_out: Callable[[Request, str], None] = lambda request, why: None
 
@@ -252,7 +252,7 @@ class Admission:
 
     def refuse(self, submission: Submission, exc: Exception) -> None:
         submission.stream.fail(exc)
-        self.on_refused(exc)
+        self.on_refused(exc, submission.tenancy.tenant)
 
     def handled(self, submission: Submission) -> bool:
         """Done with a submission: whether it was still pending (not aborted, not stopped)."""

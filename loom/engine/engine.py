@@ -118,7 +118,10 @@ class Engine:
                 resume=self.resume,
             )
         except (EngineDeadError, InvalidRequestError, EngineOverloadedError) as exc:
-            self.metrics.refused(exc)
+            if self.core is None:
+                self.metrics.refused(exc)
+            else:
+                self.core.refused(exc, tenancy.tenant)
             raise
 
     @asynccontextmanager

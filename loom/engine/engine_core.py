@@ -24,11 +24,12 @@ logs a line, and the stats a scrape reads are published here (`publish_stats`).
 from __future__ import annotations
 
 import time
+from collections import Counter
 
 import trio
 
 from loom.core.block_manager import BlockManager
-from loom.core.errors import EngineDeadError
+from loom.core.errors import EngineDeadError, EngineOverloadedError
 from loom.core.expiry import expired, next_timer
 from loom.core.output_processor import OutputProcessor
 from loom.core.request import Request, RequestStatus
@@ -39,7 +40,7 @@ from loom.engine.admission import Admission, Submission
 from loom.engine.config import EngineConfig
 from loom.engine.metrics import EngineMetrics, log_request
 from loom.engine.request_stream import RequestStream
-from loom.engine.stats import EngineStats
+from loom.engine.stats import EngineStats, TenantLedger
 from loom.model.loader import LoadedModel
 from loom.model.model_runner import ModelRunner
 
@@ -65,7 +66,8 @@ class EngineCore:
         )
         self.scheduler = Scheduler(config.scheduler, blocks, OutputProcessor(loaded.tokenizer))
         self.admission = Admission.for_model(config, loaded, runner, self.scheduler)
-        self.admission.on_refused = metrics.refused
+        self.ledger = TenantLedger()
+        self.admission.on_refused = self.refused
         self.admission.push_out = self.push_out
         self.streams: dict[str, RequestStream] = {}  # admitted, unfinished requests
         self.wakeup = trio.Event()
@@ -85,6 +87,8 @@ class EngineCore:
         self.wakeup.set()  # done: the stepping loop may end
 
     def admit(self, submission: Submission, request: Request) -> None:
+        self.ledger.prompt_tokens[request.tenant] += request.num_prompt_tokens
+        self.ledger.weights[request.tenant] = request.tenancy.weight
         self.streams[request.request_id] = submission.stream
         self.scheduler.add_request(request)
         self.wakeup.set()
@@ -121,6 +125,7 @@ class EngineCore:
         """A request's new token: pushed to its stream (pausing the request when the stream is
         full), or, the request finished, its stream ended."""
         self.metrics.token(request, now)
+        self.ledger.generated_tokens[request.tenant] += 1
         if output.finished:
             self.end_stream(request, output, now)
         elif self.streams[request.request_id].push(output):
@@ -139,10 +144,17 @@ class EngineCore:
 
     def push_out(self, request: Request, why: str) -> None:
         """A queued request's place taken by a tenant below its share (loom/engine/admission.py)."""
+        self.ledger.refused[request.tenant] += 1
         self.finish(request, RequestStatus.FINISHED_REFUSED, error=why)
+
+    def refused(self, exc: Exception, tenant: str) -> None:
+        self.metrics.refused(exc)
+        if isinstance(exc, EngineOverloadedError):
+            self.ledger.refused[tenant] += 1
 
     def end_stream(self, request: Request, final: RequestOutput, now: float) -> None:
         self.metrics.ended(request, now)
+        self.ledger.cached_tokens[request.tenant] += request.num_cached_tokens
         log_request(request, final)
         self.streams.pop(request.request_id).push(final)
 
@@ -163,7 +175,8 @@ class EngineCore:
             self.wakeup.set()
 
     def stats(self) -> EngineStats:
-        return EngineStats.of(self.scheduler, num_pending=len(self.admission.pending))
+        pending = Counter(s.tenancy.tenant for s in self.admission.pending.values())
+        return EngineStats.of(self.scheduler, self.ledger, pending)
 
     def publish_stats(self, every: float = 0.0) -> None:
         """Publish the stats for scrapes: now, or, with `every`, once that long has passed or

@@ -188,6 +188,48 @@ class EngineCollector(Collector):
         for reason in ("stop", "length", "stop_sequence"):
             success.add_metric([*label, reason], s.finished.get(reason, 0))
         yield success
+        yield from tenant_families(self.model_name, s)
+
+
+MAX_TENANT_SERIES = 256  # the tenants with the most tokens get a series; all have their stats
+
+
+def tenant_families(model_name: str, s: EngineStats) -> Iterator[Metric]:
+    """By tenant: running, waiting, tokens and refusals (the operator's view: every tenant)."""
+    busiest = sorted(s.tenants.items(), key=lambda item: -item[1].num_prompt_tokens)
+    tenants = busiest[:MAX_TENANT_SERIES]
+    families = [
+        (
+            GaugeMetricFamily,
+            "tenant_requests_running",
+            "A tenant's requests in the batch",
+            "num_running",
+        ),
+        (GaugeMetricFamily, "tenant_requests_waiting", "A tenant's requests queued", "num_waiting"),
+        (
+            CounterMetricFamily,
+            "tenant_prompt_tokens",
+            "A tenant's prompt tokens admitted",
+            "num_prompt_tokens",
+        ),
+        (
+            CounterMetricFamily,
+            "tenant_generation_tokens",
+            "A tenant's tokens generated",
+            "num_generated_tokens",
+        ),
+        (
+            CounterMetricFamily,
+            "tenant_refusals",
+            "A tenant's requests refused for its share",
+            "num_refused",
+        ),
+    ]
+    for kind, name, doc, field in families:
+        family = kind(f"loom:{name}", doc, labels=["model_name", "tenant"])
+        for tenant, figures in tenants:
+            family.add_metric([model_name, tenant], getattr(figures, field))
+        yield family
 
 
 def log_request(request: Request, final: RequestOutput) -> None:

@@ -2,11 +2,54 @@
 
 from __future__ import annotations
 
+from collections import Counter
+
 import attrs
 
 from loom.core.scheduler import Scheduler
 from loom.engine.config import EngineConfig
 from loom.model.model_runner import ModelRunner
+
+
+@attrs.frozen(kw_only=True)
+class TenantStats:
+    num_running: int  # scheduled and not paused
+    num_waiting: int  # queued (not paused), or still being admitted
+    num_prompt_tokens: int  # admitted, all time
+    num_generated_tokens: int  # all time
+    num_cached_tokens: int  # prompt tokens found in the prefix cache, of those ended
+    num_refused: int  # refused for its share of the queue (or its place taken), all time
+    weight: float
+
+
+@attrs.define
+class TenantLedger:
+    """Each tenant's figures, all time (the engine's stepping loop records them). A tenant that
+    is never seen again stays here: bounded by the tenants the server names (keys, a proxy's
+    names, client addresses)."""
+
+    prompt_tokens: Counter[str] = attrs.field(factory=Counter)
+    generated_tokens: Counter[str] = attrs.field(factory=Counter)
+    cached_tokens: Counter[str] = attrs.field(factory=Counter)
+    refused: Counter[str] = attrs.field(factory=Counter)
+    weights: dict[str, float] = attrs.field(factory=dict)  # each one's latest
+
+    def of(self, scheduler: Scheduler, pending: Counter[str]) -> dict[str, TenantStats]:
+        running = Counter(r.tenant for r in scheduler.running if not r.paused)
+        waiting = pending + Counter(r.tenant for r in scheduler.waiting if not r.paused)
+        known = set(self.prompt_tokens) | set(self.refused) | set(waiting)
+        return {
+            tenant: TenantStats(
+                num_running=running[tenant],
+                num_waiting=waiting[tenant],
+                num_prompt_tokens=self.prompt_tokens[tenant],
+                num_generated_tokens=self.generated_tokens[tenant],
+                num_cached_tokens=self.cached_tokens[tenant],
+                num_refused=self.refused[tenant],
+                weight=self.weights.get(tenant, 1.0),
+            )
+            for tenant in known
+        }
 
 
 @attrs.frozen(kw_only=True)
@@ -24,12 +67,13 @@ class EngineStats:
     num_cached_blocks: int  # holding a reusable prefix, free (evictable) or held
     prefix_cache_queries: int  # tokens of the requests admitted, all time
     prefix_cache_hits: int  # of those, found in the prefix cache
+    tenants: dict[str, TenantStats]
 
     @classmethod
-    def of(cls, scheduler: Scheduler, *, num_pending: int) -> EngineStats:
+    def of(cls, scheduler: Scheduler, ledger: TenantLedger, pending: Counter[str]) -> EngineStats:
         return cls(
             num_running=scheduler.num_active(),
-            num_waiting=scheduler.num_waiting() + num_pending,
+            num_waiting=scheduler.num_waiting() + pending.total(),
             num_paused=sum(r.paused for r in scheduler.requests.values()),
             num_total_blocks=scheduler.block_manager.num_total_blocks,
             num_free_blocks=scheduler.block_manager.num_free_blocks,
@@ -41,6 +85,7 @@ class EngineStats:
             num_cached_blocks=scheduler.block_manager.num_cached_blocks,
             prefix_cache_queries=scheduler.prefix_cache_queries,
             prefix_cache_hits=scheduler.prefix_cache_hits,
+            tenants=ledger.of(scheduler, pending),
         )
 
 

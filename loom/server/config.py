@@ -7,6 +7,7 @@ import attrs
 
 from loom.core.setting import above, in_range, setting
 from loom.server.boundary.config import BoundaryConfig
+from loom.server.tenants import TenantConfig
 
 
 @attrs.frozen(kw_only=True)
@@ -14,6 +15,7 @@ class ServerConfig:
     host: str = setting("127.0.0.1", "address to listen on")
     port: int = setting(50051, "port to listen on; 0 picks a free one", check=in_range(0, 65535))
     boundary: BoundaryConfig = attrs.field(factory=BoundaryConfig)
+    tenants: TenantConfig = attrs.field(factory=TenantConfig)
     drain_timeout: float = setting(
         30.0, "seconds in-flight requests get to finish on SIGTERM", check=above(0)
     )

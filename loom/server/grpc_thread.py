@@ -30,6 +30,7 @@ from grpclib.health.service import Health
 from grpclib.reflection.service import ServerReflection
 
 from loom.engine.engine import Engine
+from loom.server.boundary.call import Call
 from loom.server.boundary.endpoint import Endpoint
 from loom.server.boundary.tls import server_context
 from loom.server.bridge import Count, TrioBridge
@@ -37,6 +38,7 @@ from loom.server.config import ServerConfig
 from loom.server.drain import DrainPhase
 from loom.server.metrics import MetricsEndpoint, boundary_refusals
 from loom.server.servicer import LoomServicer
+from loom.server.tenants import Tenant, Tenants
 
 LOWEST_PRIORITY = 19  # nice, for this thread only (Linux: a thread's own priority)
 
@@ -46,6 +48,7 @@ class GrpcThread:
         self.engine = engine
         self.config = config
         self.tls = server_context(config.boundary)  # a bad file fails here, at start
+        self.tenants = Tenants(config.tenants)  # and a bad key file
         self.loop: asyncio.AbstractEventLoop | None = None
         self.stop_event: asyncio.Event | None = None
         self.stop_requested = False
@@ -96,7 +99,7 @@ class GrpcThread:
         services = ServerReflection.extend([servicer, Health({servicer: [self.health]})])
         registry = self.engine.metrics.registry
         refused = boundary_refusals(registry)
-        self.endpoint = Endpoint(services, self.config.boundary, refused, self.tls)
+        self.endpoint = Endpoint(services, self.config.boundary, refused, self.identify, self.tls)
         try:
             port = await self.endpoint.start(self.config.host, self.config.port)
             if self.config.metrics_port is not None:
@@ -108,6 +111,11 @@ class GrpcThread:
             if self.metrics is not None:
                 await self.metrics.close()
             await self.endpoint.close()
+
+    def identify(self, call: Call) -> Tenant | None:
+        """The call's tenant (loom/server/tenants.py); None for a health probe that needs none."""
+        peer = call.peer
+        return self.tenants.identify(call.path, call.metadata, peer.addr(), peer.cert())
 
     @property
     def metrics_port(self) -> int | None:

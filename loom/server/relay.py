@@ -25,6 +25,7 @@ from collections.abc import Sequence
 import trio
 from grpclib import GRPCError
 
+from loom.core.fair_share import Tenancy
 from loom.core.prompt import Prompt
 from loom.core.request_output import RequestOutput
 from loom.core.sampling_params import SamplingParams
@@ -39,11 +40,15 @@ from loom.v1 import loom_pb2 as pb
 log = logging.getLogger(__name__)
 
 
+Live = dict[tuple[str, str], set[RequestStream]]  # by (tenant, request_id label): for Abort
+
+
 class Relay:
-    def __init__(self, call: Call, engine: Engine, bridge: TrioBridge) -> None:
+    def __init__(self, call: Call, engine: Engine, bridge: TrioBridge, live: Live) -> None:
         self.call = call
         self.engine = engine
         self.bridge = bridge
+        self.live = live
         self.send_timeout = engine.config.stall_timeout  # a finished request's last message
         self.wake = asyncio.Event()
         self.request_id = ""  # the client's label (or one made for it), echoed in the Final
@@ -55,33 +60,51 @@ class Relay:
                 self.request_id = wire.request_id_from(request)
                 prompt = wire.prompt_from(request)
                 sampling = wire.sampling_from(request.sampling)
-                outputs = await self.submit(prompt, sampling, request.cache_salt)
+                tenant = self.call.tenant
+                tenancy = wire.tenancy_from(request, tenant.name, tenant.weight)
+                outputs = await self.submit(prompt, sampling, request.cache_salt, tenancy)
                 self.call.when_ended(outputs.abort)
+                key = (tenant.name, self.request_id)
+                self.live.setdefault(key, set()).add(outputs)
                 try:
                     await self.relay(outputs)
                 finally:
                     outputs.abort()
+                    self.forget(key, outputs)
         except ClientGoneError:
             log.info("request %r: client stopped reading; stream reset", self.request_id)
 
+    def forget(self, key: tuple[str, str], outputs: RequestStream) -> None:
+        streams = self.live.get(key)  # (an Abort takes them all)
+        if streams is not None:
+            streams.discard(outputs)
+            if not streams:
+                del self.live[key]
+
     async def submit(
-        self, prompt: Prompt, sampling: SamplingParams, cache_salt: str
+        self, prompt: Prompt, sampling: SamplingParams, cache_salt: str, tenancy: Tenancy
     ) -> RequestStream:
         deadline = self.call.deadline
         timeout = deadline.time_remaining() if deadline else None
+        args = (prompt, sampling, cache_salt, tenancy, timeout)
         try:
-            return await self.bridge.call(
-                self.submit_until, prompt, sampling, cache_salt, timeout, orphan=RequestStream.abort
-            )
+            return await self.bridge.call(self.submit_until, *args, orphan=RequestStream.abort)
         finally:
             self.call.arrived()  # a drain waits for this (loom/server/drain.py)
 
     def submit_until(
-        self, prompt: Prompt, sampling: SamplingParams, cache_salt: str, timeout: float | None
+        self,
+        prompt: Prompt,
+        sampling: SamplingParams,
+        cache_salt: str,
+        tenancy: Tenancy,
+        timeout: float | None,
     ) -> RequestStream:
         """In the trio thread: submit, the client's gRPC deadline becoming the request's."""
         deadline = None if timeout is None else trio.current_time() + timeout
-        return self.engine.submit(prompt, sampling, deadline=deadline, cache_salt=cache_salt)
+        return self.engine.submit(
+            prompt, sampling, deadline=deadline, cache_salt=cache_salt, tenancy=tenancy
+        )
 
     async def relay(self, outputs: RequestStream) -> None:
         outputs.wake = self.bridge.waker(self.wake)

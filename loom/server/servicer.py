@@ -1,7 +1,9 @@
 """The loom.v1 gRPC handlers, in the server's asyncio thread: thin. Each Generate call reads its
 request (its size, timing and framing checked by the call itself, loom/server/boundary/call.py)
 and hands it to a `Relay`, which owns the engine request from submit to end; the other two
-methods ask the engine through the bridge.
+methods ask the engine through the bridge. Every call but a health probe has a tenant
+(loom/server/tenants.py): its Generate calls are its own to abort, and its stats show the
+server's gauges and its own figures only (every tenant's, to an admin).
 """
 
 from __future__ import annotations
@@ -15,10 +17,12 @@ from loom.engine.engine import Engine
 from loom.server import wire
 from loom.server.boundary.call import Call
 from loom.server.bridge import TrioBridge
-from loom.server.relay import Relay
+from loom.server.relay import Live, Relay
 from loom.server.status import status_errors
 from loom.v1 import loom_pb2 as pb
 from loom.v1.loom_grpc import LoomBase
+
+MAX_ABORT_IDS = 1024
 
 
 def call_of(stream: Any) -> Call:
@@ -32,6 +36,7 @@ class LoomServicer(LoomBase):
     def __init__(self, engine: Engine, bridge: TrioBridge) -> None:
         self.engine = engine
         self.bridge = bridge
+        self.live: Live = {}
 
     async def Generate(self, stream: Stream[pb.GenerateRequest, pb.GenerateResponse]) -> None:
         call = call_of(stream)
@@ -43,7 +48,7 @@ class LoomServicer(LoomBase):
             call.arrived()
             self.engine.metrics.refused_by_server(exc.status.name)
             raise
-        await Relay(call, self.engine, self.bridge).run(request)
+        await Relay(call, self.engine, self.bridge, self.live).run(request)
 
     async def GetModelInfo(self, stream: Stream[pb.GetModelInfoRequest, pb.ModelInfo]) -> None:
         await stream.recv_message()
@@ -54,7 +59,25 @@ class LoomServicer(LoomBase):
     async def GetServerStats(
         self, stream: Stream[pb.GetServerStatsRequest, pb.ServerStats]
     ) -> None:
+        tenant = call_of(stream).tenant
         await stream.recv_message()
         with status_errors():
             stats = await self.bridge.call(self.engine.stats)
-        await stream.send_message(wire.stats_message(stats))
+        await stream.send_message(wire.stats_message(stats, None if tenant.admin else tenant.name))
+
+    async def Abort(self, stream: Stream[pb.AbortRequest, pb.AbortResponse]) -> None:
+        tenant = call_of(stream).tenant
+        request = await stream.recv_message()
+        if request is None:
+            raise GRPCError(Status.INVALID_ARGUMENT, "no request message")
+        if len(request.request_ids) > MAX_ABORT_IDS:
+            raise GRPCError(
+                Status.INVALID_ARGUMENT,
+                f"request_ids: {len(request.request_ids)} ids, more than {MAX_ABORT_IDS}",
+            )
+        num_aborted = 0
+        for request_id in set(request.request_ids):
+            for outputs in self.live.pop((tenant.name, request_id), set()):
+                num_aborted += not outputs.closed
+                outputs.abort()
+        await stream.send_message(pb.AbortResponse(num_aborted=num_aborted))

@@ -11,10 +11,11 @@ from collections.abc import Sequence
 import attrs
 
 from loom.core.errors import InvalidRequestError
+from loom.core.fair_share import MAX_PRIORITY, Tenancy
 from loom.core.prompt import ChatMessage, Prompt
 from loom.core.request_output import FinishReason, Logprobs, RequestOutput
 from loom.core.sampling_params import SamplingParams
-from loom.engine.stats import EngineStats, ModelInfo
+from loom.engine.stats import EngineStats, ModelInfo, TenantStats
 from loom.v1 import loom_pb2 as pb
 
 MAX_REQUEST_ID_CHARS = 128
@@ -115,8 +116,34 @@ def final_from(outputs: Sequence[RequestOutput], request_id: str) -> pb.Final:
     )
 
 
-def stats_message(stats: EngineStats) -> pb.ServerStats:
-    return pb.ServerStats(**attrs.asdict(stats))
+def stats_message(stats: EngineStats, viewer: str | None) -> pb.ServerStats:
+    """What a tenant may see: the server's gauges, and its own token and cache figures and
+    nobody else's (`viewer` None: an admin, who sees all)."""
+    fields = attrs.asdict(stats, recurse=False)
+    tenants = fields.pop("tenants")
+    if viewer is not None:
+        own = tenants.get(viewer)
+        tenants = {viewer: own} if own is not None else {}
+        fields["num_prompt_tokens"] = own.num_prompt_tokens if own else 0
+        fields["num_generated_tokens"] = own.num_generated_tokens if own else 0
+        fields["prefix_cache_queries"] = own.num_prompt_tokens if own else 0
+        fields["prefix_cache_hits"] = own.num_cached_tokens if own else 0
+    message = pb.ServerStats(**fields)
+    for name, figures in tenants.items():
+        message.tenants[name].CopyFrom(tenant_message(figures))
+    return message
+
+
+def tenant_message(figures: TenantStats) -> pb.TenantStats:
+    return pb.TenantStats(**attrs.asdict(figures))
+
+
+def tenancy_from(request: pb.GenerateRequest, tenant: str, weight: float) -> Tenancy:
+    if not (-MAX_PRIORITY <= request.priority <= MAX_PRIORITY):
+        raise InvalidRequestError(
+            f"priority must be in [-{MAX_PRIORITY}, {MAX_PRIORITY}], got {request.priority}"
+        )
+    return Tenancy(tenant=tenant, weight=weight, priority=request.priority)
 
 
 def model_info_message(info: ModelInfo) -> pb.ModelInfo:

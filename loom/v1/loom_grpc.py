@@ -26,6 +26,10 @@ class LoomBase(abc.ABC):
     async def GetServerStats(self, stream: 'grpclib.server.Stream[loom.v1.loom_pb2.GetServerStatsRequest, loom.v1.loom_pb2.ServerStats]') -> None:
         pass
 
+    @abc.abstractmethod
+    async def Abort(self, stream: 'grpclib.server.Stream[loom.v1.loom_pb2.AbortRequest, loom.v1.loom_pb2.AbortResponse]') -> None:
+        pass
+
     def __mapping__(self) -> typing.Dict[str, grpclib.const.Handler]:
         return {
             '/loom.v1.Loom/Generate': grpclib.const.Handler(
@@ -45,6 +49,12 @@ class LoomBase(abc.ABC):
                 grpclib.const.Cardinality.UNARY_UNARY,
                 loom.v1.loom_pb2.GetServerStatsRequest,
                 loom.v1.loom_pb2.ServerStats,
+            ),
+            '/loom.v1.Loom/Abort': grpclib.const.Handler(
+                self.Abort,
+                grpclib.const.Cardinality.UNARY_UNARY,
+                loom.v1.loom_pb2.AbortRequest,
+                loom.v1.loom_pb2.AbortResponse,
             ),
         }
 
@@ -69,4 +79,10 @@ class LoomStub:
             '/loom.v1.Loom/GetServerStats',
             loom.v1.loom_pb2.GetServerStatsRequest,
             loom.v1.loom_pb2.ServerStats,
+        )
+        self.Abort = grpclib.client.UnaryUnaryMethod(
+            channel,
+            '/loom.v1.Loom/Abort',
+            loom.v1.loom_pb2.AbortRequest,
+            loom.v1.loom_pb2.AbortResponse,
         )

@@ -19,20 +19,22 @@ FINISH_REASON_LENGTH: FinishReason
 FINISH_REASON_STOP_SEQUENCE: FinishReason
 
 class GenerateRequest(_message.Message):
-    __slots__ = ("request_id", "text", "messages", "token_ids", "sampling", "cache_salt")
+    __slots__ = ("request_id", "text", "messages", "token_ids", "sampling", "cache_salt", "priority")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     TEXT_FIELD_NUMBER: _ClassVar[int]
     MESSAGES_FIELD_NUMBER: _ClassVar[int]
     TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     SAMPLING_FIELD_NUMBER: _ClassVar[int]
     CACHE_SALT_FIELD_NUMBER: _ClassVar[int]
+    PRIORITY_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     text: str
     messages: ChatMessages
     token_ids: TokenIds
     sampling: SamplingParams
     cache_salt: str
-    def __init__(self, request_id: _Optional[str] = ..., text: _Optional[str] = ..., messages: _Optional[_Union[ChatMessages, _Mapping]] = ..., token_ids: _Optional[_Union[TokenIds, _Mapping]] = ..., sampling: _Optional[_Union[SamplingParams, _Mapping]] = ..., cache_salt: _Optional[str] = ...) -> None: ...
+    priority: int
+    def __init__(self, request_id: _Optional[str] = ..., text: _Optional[str] = ..., messages: _Optional[_Union[ChatMessages, _Mapping]] = ..., token_ids: _Optional[_Union[TokenIds, _Mapping]] = ..., sampling: _Optional[_Union[SamplingParams, _Mapping]] = ..., cache_salt: _Optional[str] = ..., priority: _Optional[int] = ...) -> None: ...
 
 class ChatMessage(_message.Message):
     __slots__ = ("role", "content")
@@ -189,7 +191,7 @@ class GetServerStatsRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class ServerStats(_message.Message):
-    __slots__ = ("num_running", "num_waiting", "num_paused", "num_total_blocks", "num_free_blocks", "num_preemptions", "num_chunked_prefills", "num_prompt_tokens", "num_generated_tokens", "finished", "num_cached_blocks", "prefix_cache_queries", "prefix_cache_hits")
+    __slots__ = ("num_running", "num_waiting", "num_paused", "num_total_blocks", "num_free_blocks", "num_preemptions", "num_chunked_prefills", "num_prompt_tokens", "num_generated_tokens", "finished", "num_cached_blocks", "prefix_cache_queries", "prefix_cache_hits", "tenants")
     class FinishedEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -197,6 +199,13 @@ class ServerStats(_message.Message):
         key: str
         value: int
         def __init__(self, key: _Optional[str] = ..., value: _Optional[int] = ...) -> None: ...
+    class TenantsEntry(_message.Message):
+        __slots__ = ("key", "value")
+        KEY_FIELD_NUMBER: _ClassVar[int]
+        VALUE_FIELD_NUMBER: _ClassVar[int]
+        key: str
+        value: TenantStats
+        def __init__(self, key: _Optional[str] = ..., value: _Optional[_Union[TenantStats, _Mapping]] = ...) -> None: ...
     NUM_RUNNING_FIELD_NUMBER: _ClassVar[int]
     NUM_WAITING_FIELD_NUMBER: _ClassVar[int]
     NUM_PAUSED_FIELD_NUMBER: _ClassVar[int]
@@ -210,6 +219,7 @@ class ServerStats(_message.Message):
     NUM_CACHED_BLOCKS_FIELD_NUMBER: _ClassVar[int]
     PREFIX_CACHE_QUERIES_FIELD_NUMBER: _ClassVar[int]
     PREFIX_CACHE_HITS_FIELD_NUMBER: _ClassVar[int]
+    TENANTS_FIELD_NUMBER: _ClassVar[int]
     num_running: int
     num_waiting: int
     num_paused: int
@@ -223,4 +233,35 @@ class ServerStats(_message.Message):
     num_cached_blocks: int
     prefix_cache_queries: int
     prefix_cache_hits: int
-    def __init__(self, num_running: _Optional[int] = ..., num_waiting: _Optional[int] = ..., num_paused: _Optional[int] = ..., num_total_blocks: _Optional[int] = ..., num_free_blocks: _Optional[int] = ..., num_preemptions: _Optional[int] = ..., num_chunked_prefills: _Optional[int] = ..., num_prompt_tokens: _Optional[int] = ..., num_generated_tokens: _Optional[int] = ..., finished: _Optional[_Mapping[str, int]] = ..., num_cached_blocks: _Optional[int] = ..., prefix_cache_queries: _Optional[int] = ..., prefix_cache_hits: _Optional[int] = ...) -> None: ...
+    tenants: _containers.MessageMap[str, TenantStats]
+    def __init__(self, num_running: _Optional[int] = ..., num_waiting: _Optional[int] = ..., num_paused: _Optional[int] = ..., num_total_blocks: _Optional[int] = ..., num_free_blocks: _Optional[int] = ..., num_preemptions: _Optional[int] = ..., num_chunked_prefills: _Optional[int] = ..., num_prompt_tokens: _Optional[int] = ..., num_generated_tokens: _Optional[int] = ..., finished: _Optional[_Mapping[str, int]] = ..., num_cached_blocks: _Optional[int] = ..., prefix_cache_queries: _Optional[int] = ..., prefix_cache_hits: _Optional[int] = ..., tenants: _Optional[_Mapping[str, TenantStats]] = ...) -> None: ...
+
+class TenantStats(_message.Message):
+    __slots__ = ("num_running", "num_waiting", "num_prompt_tokens", "num_generated_tokens", "num_refused", "weight", "num_cached_tokens")
+    NUM_RUNNING_FIELD_NUMBER: _ClassVar[int]
+    NUM_WAITING_FIELD_NUMBER: _ClassVar[int]
+    NUM_PROMPT_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    NUM_GENERATED_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    NUM_REFUSED_FIELD_NUMBER: _ClassVar[int]
+    WEIGHT_FIELD_NUMBER: _ClassVar[int]
+    NUM_CACHED_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    num_running: int
+    num_waiting: int
+    num_prompt_tokens: int
+    num_generated_tokens: int
+    num_refused: int
+    weight: float
+    num_cached_tokens: int
+    def __init__(self, num_running: _Optional[int] = ..., num_waiting: _Optional[int] = ..., num_prompt_tokens: _Optional[int] = ..., num_generated_tokens: _Optional[int] = ..., num_refused: _Optional[int] = ..., weight: _Optional[float] = ..., num_cached_tokens: _Optional[int] = ...) -> None: ...
+
+class AbortRequest(_message.Message):
+    __slots__ = ("request_ids",)
+    REQUEST_IDS_FIELD_NUMBER: _ClassVar[int]
+    request_ids: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, request_ids: _Optional[_Iterable[str]] = ...) -> None: ...
+
+class AbortResponse(_message.Message):
+    __slots__ = ("num_aborted",)
+    NUM_ABORTED_FIELD_NUMBER: _ClassVar[int]
+    num_aborted: int
+    def __init__(self, num_aborted: _Optional[int] = ...) -> None: ...

@@ -151,6 +151,12 @@ async def test_metrics_names_types_labels_and_counts_match_the_workload(
     assert value(after, "loom:time_to_first_token_seconds_count") == 4
     assert value(after, "loom:request_prompt_tokens_sum") == 2 + 3 * 3
     assert value(after, "loom:request_generation_tokens_sum") == 3 * 5 + cancelled_tokens
+    # One tenant, the clients' address: its series are the server's.
+    assert value(after, "loom:tenant_prompt_tokens_total", tenant=HOST) == 2 + 3 * 3
+    generated = value(after, "loom:tenant_generation_tokens_total", tenant=HOST)
+    assert generated == value(after, "loom:generation_tokens_total")
+    assert value(after, "loom:tenant_requests_running", tenant=HOST) == 0
+    assert value(after, "loom:tenant_refusals_total", tenant=HOST) == 0
     itl = value(after, "loom:inter_token_latency_seconds_count")
     assert itl == 3 * 4 + cancelled_tokens - 1
     steps = sum(v for (name, _), v in after.items() if name == "loom:step_duration_seconds_count")

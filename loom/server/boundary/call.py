@@ -90,6 +90,7 @@ class Call:
         self.on_end: list[Callable[[], object]] = []
         self.on_arrival: Callable[[], object] | None = None  # the drain counts arrivals
         self.task: asyncio.Task[None] | None = None
+        self.tenant: Any = None  # whose call it is (loom/server/tenants.py), named before it runs
 
     # What the connection tells the call.
 

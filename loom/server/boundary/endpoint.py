@@ -56,6 +56,7 @@ class Endpoint:
         services: Iterable[Any],
         config: BoundaryConfig,
         on_refused: Callable[[str], None],
+        identify: Callable[[Call], Any],
         tls: ssl.SSLContext | None = None,
     ) -> None:
         self.mapping: dict[str, Any] = {}
@@ -64,6 +65,7 @@ class Endpoint:
         self.config = config
         self.on_refused = on_refused
         self.budget = RequestBudget(config.max_buffered_request_bytes)
+        self.identify = identify  # the call's tenant, or GRPCError(UNAUTHENTICATED)
         self.tls = tls
         self.listener = Listener(config, self.accepted, self.refused)
         self.connections: set[Connection] = set()
@@ -146,10 +148,15 @@ class Endpoint:
             call.when_ended(lambda: self.num_in_flight.add(-1))
 
     async def serve(self, call: Call) -> None:
-        """Run a call's handler; its status (OK, its GRPCError's, or UNKNOWN for a bug) ends
-        it, unless the call ended under it."""
+        """Name the call's tenant (refused: its GRPCError), then run its handler; its status
+        (OK, its GRPCError's, or UNKNOWN for a bug) ends it, unless the call ended under it."""
         method = call.method
         try:
+            try:
+                call.tenant = self.identify(call)  # before anything of the call is read
+            except GRPCError:
+                self.refused("unauthenticated")
+                raise
             await method.func(call)
             if not method.cardinality.server_streaming and not call.headers_sent:
                 raise GRPCError(Status.UNKNOWN, "Internal Server Error")  # a unary call's reply
