@@ -52,7 +52,7 @@ def request_from(args: argparse.Namespace) -> pb.GenerateRequest:
 
 def tls_of(args: argparse.Namespace) -> ssl.SSLContext | None:
     """TLS 1.2 or later with ALPN h2, as gRPC requires; None for plaintext."""
-    if args.tls_ca_file is None:
+    if args.tls_ca_file is None and args.tls_cert_file is None:
         return None
     context = ssl.create_default_context(cafile=args.tls_ca_file)
     context.set_alpn_protocols(["h2"])

@@ -17,6 +17,7 @@ from loom.engine.config import EngineConfig
 from loom.model.loader import ModelConfig
 from loom.server.boundary.config import BoundaryConfig
 from loom.server.config import ServerConfig
+from loom.server.tenants import TenantConfig
 
 LOOM = [sys.executable, "-m", "loom"]
 
@@ -86,9 +87,9 @@ def settings_of(config: type) -> list[str]:
 
 def test_loom_help_lists_every_serve_setting() -> None:
     help_text = subprocess.run([*LOOM, "--help"], capture_output=True, text=True, check=True).stdout
-    configs = (*SERVE_CONFIGS, CacheConfig, SchedulerConfig, BoundaryConfig)
+    configs = (*SERVE_CONFIGS, CacheConfig, SchedulerConfig, BoundaryConfig, TenantConfig)
     flags = [flag for config in configs for flag in settings_of(config)]
-    assert len(flags) == 39
+    assert len(flags) == 46
     for flag in flags:
         assert flag in help_text
 

@@ -23,6 +23,7 @@ from loom.core.setting import at_least
 from loom.model.linear import METHODS
 from loom.model.loader import LoadedModel, default_model_path, load_model
 from loom.model.sim import is_sim, load_sim
+from loom.server.health_probe import add_tls_arguments
 
 
 def add_parser(commands: Any) -> argparse.ArgumentParser:
@@ -106,6 +107,8 @@ def add_parser(commands: Any) -> argparse.ArgumentParser:
         "requests; the light one's: the first --concurrency), on launched servers: the light "
         "one alone, both under the fair scheduler, both under FCFS (loom/bench/tenants.py)",
     )
+    add("--api-key", default=None, help="sent as `authorization: Bearer KEY` (--api-key-file)")
+    add_tls_arguments(bench)
     add("--goodput", default="", help="latency objectives in ms, e.g. ttft=2000,tpot=200")
     add("--json", type=Path, default=None, help="write the results here")
     return bench

@@ -9,6 +9,7 @@ import sys
 from typing import Any
 
 from loom.bench.baseline import run_baseline
+from loom.bench.client import Client
 from loom.bench.llama_cpp import drive_llama_server
 from loom.bench.metrics import Objectives, summarize, table
 from loom.bench.serving import (
@@ -101,10 +102,12 @@ def run_workload(
     """Warm the server up on prompts of its own (so that the measured prompts find nothing in
     its prefix cache that they did not put there), then run the workload."""
     host, port = address
+    client = Client.of(args)
     seed = WARM_UP_SEED + args.seed
-    warm_up(host, port, make_workload(loaded.tokenizer, args.warmup, args.input_len, 8, seed))
+    warm = make_workload(loaded.tokenizer, args.warmup, args.input_len, 8, seed)
+    warm_up(host, port, warm, client)
     if isinstance(workload, Conversations):
-        return asyncio.run(drive_conversations(host, port, workload))
+        return asyncio.run(drive_conversations(host, port, workload, client=client))
     return asyncio.run(
         drive(
             host,
@@ -113,6 +116,7 @@ def run_workload(
             concurrency=concurrency,
             request_rate=args.request_rate,
             seed=args.seed,
+            client=client,
         )
     )
 
@@ -167,10 +171,16 @@ def baselines(
     return result
 
 
-def warm_up(host: str, port: int, workload: Workload) -> None:
+def warm_up(host: str, port: int, workload: Workload, client: Client) -> None:
     """Unmeasured requests, one at a time, so that the measured run starts warm."""
-    asyncio.run(
-        drive(
-            host, port, workload, concurrency=1, request_rate=float("inf"), seed=0, progress=False
-        )
+    once = drive(
+        host,
+        port,
+        workload,
+        concurrency=1,
+        request_rate=float("inf"),
+        seed=0,
+        progress=False,
+        client=client,
     )
+    asyncio.run(once)

@@ -29,7 +29,9 @@ import attrs
 from grpclib.client import Channel
 from tqdm import tqdm
 
+from loom.bench.client import PLAIN, Client
 from loom.bench.metrics import RequestTiming
+from loom.bench.server_watch import ServerWatch
 from loom.v1 import loom_pb2 as pb
 from loom.v1.loom_grpc import LoomStub
 
@@ -115,13 +117,13 @@ async def one_request(
     prompt: tuple[int, ...],
     output_len: int,
     received: list[int] | None = None,
-    metadata: dict[str, str] | None = None,
+    client: Client = PLAIN,
 ) -> RequestTiming:
     """One streamed request; its token ids go into `received`, if given."""
     start = time.perf_counter()
     times: list[float] = []
     try:
-        async with LoomStub(channel).Generate.open(metadata=metadata) as stream:
+        async with LoomStub(channel).Generate.open(metadata=client.metadata) as stream:
             await stream.send_message(request_for(prompt, output_len), end=True)
             async for response in stream:
                 now = time.perf_counter() - start
@@ -145,11 +147,10 @@ async def drive(
     request_rate: float,
     seed: int,
     progress: bool = True,
-    metadata: dict[str, str] | None = None,
+    client: Client = PLAIN,
 ) -> tuple[list[RequestTiming], float, dict[str, int]]:
-    """Run the workload; returns the timings, the wall time and what the server's stats showed
-    (`metadata` goes with every request: a tenant's key or name)."""
-    channels = [Channel(host, port) for _ in range(concurrency)]
+    """Run the workload; returns the timings, the wall time and what the server's stats showed."""
+    channels = [client.channel(host, port) for _ in range(concurrency)]
     free = asyncio.Queue[Channel]()
     for channel in channels:
         free.put_nowait(channel)
@@ -160,12 +161,12 @@ async def drive(
         desc=f"concurrency {concurrency}",
         file=sys.stderr,
     )
-    server = await ServerWatch.started(host, port)
+    server = await ServerWatch.started(host, port, client)
     watcher = asyncio.create_task(server.watch())
 
     async def run_one(prompt: tuple[int, ...], channel: Channel) -> RequestTiming:
         try:
-            return await one_request(channel, prompt, workload.output_len, metadata=metadata)
+            return await one_request(channel, prompt, workload.output_len, client=client)
         finally:
             free.put_nowait(channel)
             bar.update()
@@ -187,7 +188,12 @@ async def drive(
 
 
 async def drive_conversations(
-    host: str, port: int, conversations: Conversations, *, progress: bool = True
+    host: str,
+    port: int,
+    conversations: Conversations,
+    *,
+    progress: bool = True,
+    client: Client = PLAIN,
 ) -> tuple[list[RequestTiming], float, dict[str, int]]:
     """Every conversation at once, each on its own channel, its turns one after another."""
     bar = tqdm(
@@ -196,17 +202,19 @@ async def drive_conversations(
         desc=f"{len(conversations.turns)} conversations",
         file=sys.stderr,
     )
-    server = await ServerWatch.started(host, port)
+    server = await ServerWatch.started(host, port, client)
     watcher = asyncio.create_task(server.watch())
     timings: list[RequestTiming] = []
 
     async def talk(turns: tuple[tuple[int, ...], ...]) -> None:
         history: list[int] = []
-        async with Channel(host, port) as channel:
+        async with client.channel(host, port) as channel:
             for user in turns:
                 history += user
                 reply: list[int] = []
-                timing = await one_request(channel, tuple(history), conversations.output_len, reply)
+                timing = await one_request(
+                    channel, tuple(history), conversations.output_len, reply, client
+                )
                 timings.append(timing)
                 history += reply
                 bar.update()
@@ -217,51 +225,6 @@ async def drive_conversations(
     watcher.cancel()
     bar.close()
     return timings, duration, await server.summary()
-
-
-async def server_stats(host: str, port: int) -> pb.ServerStats:
-    async with Channel(host, port) as channel:
-        return await LoomStub(channel).GetServerStats(pb.GetServerStatsRequest(), timeout=10)
-
-
-class ServerWatch:
-    """Polls GetServerStats during a run: the most KV blocks in use; the run's preemptions and
-    prompt tokens from the stats before and after it."""
-
-    def __init__(self, host: str, port: int, first: pb.ServerStats) -> None:
-        self.host, self.port = host, port
-        self.max_used_blocks = 0
-        self.first = first
-
-    @classmethod
-    async def started(cls, host: str, port: int) -> ServerWatch:
-        """A watch holding the stats from before the run's first request."""
-        return cls(host, port, await server_stats(host, port))
-
-    async def stats(self) -> pb.ServerStats:
-        return await server_stats(self.host, self.port)
-
-    async def watch(self) -> None:
-        while True:
-            stats = await self.stats()
-            self.max_used_blocks = max(
-                self.max_used_blocks, stats.num_total_blocks - stats.num_free_blocks
-            )
-            await asyncio.sleep(0.25)
-
-    async def summary(self) -> dict[str, int]:
-        """The run's figures: its preemptions and prompt tokens (computed, and found in the
-        prefix cache) from the difference of the stats before and after."""
-        last, first = await self.stats(), self.first
-        queried = last.prefix_cache_queries - first.prefix_cache_queries
-        cached = last.prefix_cache_hits - first.prefix_cache_hits
-        return {
-            "num_total_blocks": last.num_total_blocks,
-            "max_used_blocks": self.max_used_blocks,
-            "num_preemptions": last.num_preemptions - first.num_preemptions,
-            "prompt_tokens_computed": queried - cached,
-            "prompt_tokens_cached": cached,
-        }
 
 
 @contextmanager

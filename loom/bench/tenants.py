@@ -14,6 +14,7 @@ import argparse
 import asyncio
 from typing import Any
 
+from loom.bench.client import Client
 from loom.bench.metrics import Objectives, summarize
 from loom.bench.serving import drive, launched_process, make_workload
 from loom.model.loader import LoadedModel
@@ -67,7 +68,7 @@ def served(serve_args: list[str], tenants: dict[str, Any], policy: str) -> dict[
                     request_rate=float("inf"),
                     seed=0,
                     progress=False,
-                    metadata={"loom-tenant": name},
+                    client=Client(metadata={"loom-tenant": name}),
                 )
                 for name, (workload, concurrency) in tenants.items()
             ]

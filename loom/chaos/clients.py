@@ -27,7 +27,7 @@ from grpclib.config import Configuration
 from grpclib.health.v1.health_grpc import HealthStub
 from grpclib.health.v1.health_pb2 import HealthCheckRequest, HealthCheckResponse
 
-from loom.bench.serving import server_stats
+from loom.bench.server_watch import server_stats
 from loom.v1 import loom_pb2 as pb
 from loom.v1.loom_grpc import LoomStub
 
@@ -37,7 +37,7 @@ LEAVES = ("cancel", "drop", "reset", "stop")
 KILLED_CLIENT = """
 import asyncio, sys
 from grpclib.client import Channel
-from loom.bench.serving import server_stats
+from loom.bench.server_watch import server_stats
 from loom.v1 import loom_pb2 as pb
 from loom.v1.loom_grpc import LoomStub
 

@@ -22,7 +22,7 @@ import random
 from collections.abc import Callable
 from typing import Any
 
-from loom.bench.serving import server_stats
+from loom.bench.server_watch import server_stats
 from loom.chaos.clients import Behaviour, stats_until
 from loom.chaos.scenarios import Result, Run
 

@@ -17,18 +17,18 @@ Recomputing a preempted request is served again, and counted again.
   client that does not read holds its share). Admission alone cannot take back a slot that a
   long request holds (say, a tenant's 64 streams of 4,000 tokens), so when the slots are full
   and a tenant below its share waits, the newest unpaused request of the tenant furthest above
-  its share is preempted (it recomputes later), if that tenant holds more than its share plus
-  one slot and was served more than the waiting one by over two full steps' tokens. Both
-  margins keep it from thrashing: the waiting tenant, served less, is admitted first, and the
-  victim's tenant still holds its share.
-- The waiting queue (loom/engine/admission.py): a tenant's share of `max_waiting_requests` is
+  its share is preempted (it recomputes later), if that tenant was served more than the
+  waiting one by over eight steps of every slot decoding (16 tokens a slot). That margin keeps
+  it from thrashing: the waiting tenant, served less, is admitted next; and with fractional
+  shares two tenants trade the odd slot at most once every margin's worth of service.
+- The waiting queue (loom/engine/queue_share.py): a tenant's share of `max_waiting_requests` is
   its weight over the total weight of the tenants queued, itself included.
 
 Worked example, max_num_seqs = 4, tenants a (weight 1) and b (weight 3), a running 4 long
-requests, served far more than b: b arrives with 6; share_a = 4 * 1/4 = 1, share_b = 3. a holds
-3 slots above its share, more than one: its newest is preempted, then another, until a holds 2
-(one above its share: no more); b is admitted to the 2 slots freed, before a's preempted ones
-(b's counter is lower). b's next 4 are admitted as requests of either end.
+requests: b arrives with 6, lifted to a's counter; share_a = 4 * 1/4 = 1, share_b = 3. Once a
+was served 64 tokens more than b, a's newest is preempted, then the next, until a holds its
+share, 1; b is admitted to the 3 slots freed, before a's preempted ones (b's counter is lower).
+b's other 3 are admitted as requests of either end.
 """
 
 from __future__ import annotations
@@ -59,7 +59,6 @@ class Tenancy:
 SHARED = Tenancy()  # one tenant for all, at weight 1 and priority 0: what an engine alone sees
 PROMPT_WEIGHT = 1.0  # VTC's w_p: a token computed
 SAMPLE_WEIGHT = 1.0  # VTC's w_q - w_p: a sampled token costs a computed one and this more
-HYSTERESIS = 1.0  # slots a tenant may hold above its share and keep
 
 
 @attrs.define
@@ -82,11 +81,17 @@ class FairShare:
             return
         del self.num_unfinished[tenant]
         del self.weights[tenant]
-        backlogged = list(self.backlogged())
-        if not backlogged:
+        if not self.num_unfinished:
             self.counters.clear()
-        elif self.counters[tenant] <= min(self.counters[t] for t in backlogged):
-            del self.counters[tenant]
+            return
+        floor = min(self.counters[t] for t in self.backlogged())
+        idle = [t for t, n in self.counters.items() if n <= floor and t not in self.num_unfinished]
+        for t in idle:  # lifted to the floor anyway, were they to come back
+            del self.counters[t]
+
+    def victim_key(self, request: Request) -> tuple[float, int]:
+        """For a victim of blocks: the most served tenant's, then its lowest priority."""
+        return (self.counters[request.tenant], request.tenancy.priority)
 
     def backlogged(self) -> Iterable[str]:
         return self.num_unfinished.keys()
@@ -127,8 +132,8 @@ class FairShare:
         waiting tenant by more than `margin` (weighted tokens)."""
         num_free = max_num_seqs - sum(not r.paused for r in running)
         wants = Counter(r.tenant for r in waiting if not r.paused)
-        if not wants:
-            return []
+        if not wants or num_free < 0:
+            return []  # (more running than slots, resumed from pauses: none would be freed)
         usage = Counter(r.tenant for r in running)
         shares = self.shares(max_num_seqs, self.backlogged())
         active = [r for r in running if not r.paused]
@@ -142,7 +147,7 @@ class FairShare:
                     over = {
                         t: usage[t] - shares[t]
                         for t in {r.tenant for r in active}
-                        if usage[t] - shares[t] > HYSTERESIS
+                        if usage[t] - shares[t] > 0
                         and self.counters[t] > self.counters[tenant] + margin
                     }
                     if not over:

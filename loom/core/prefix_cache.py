@@ -6,9 +6,10 @@ nano-vllm). The hash is BLAKE2b-256 keyed with a secret drawn when the process s
 cannot compute any block's hash, so it can neither find nor steer a collision, and never
 receives K/V computed from another client's different text. Hashes live only in this process.
 
-A request's `cache_salt` goes into its first block's hash: requests with different salts share
-no block (a cache hit shows in the time to first token, so a tenant who must not be probed by
-others sends a salt of its own); requests without one share with each other.
+A request's tenant and `cache_salt` go into its first block's hash: requests of different
+tenants, or with different salts, share no block (a cache hit shows in the time to first token
+and in a request's cached tokens, so no tenant can probe another's prompts, and a client who
+must not be probed by others of its own tenant sends a salt of its own).
 """
 
 from __future__ import annotations
@@ -23,9 +24,10 @@ from loom.core.request import Request
 SECRET = os.urandom(32)
 
 
-def root_hash(salt: str) -> bytes:
-    """The first block's parent: the salt, alone."""
-    return blake2b(b"salt\0" + salt.encode())
+def root_hash(tenant: str, salt: str) -> bytes:
+    """The first block's parent: the tenant and the salt, alone."""
+    name = tenant.encode()
+    return blake2b(b"salt\0" + len(name).to_bytes(4, "big") + name + salt.encode())
 
 
 def blake2b(data: bytes) -> bytes:
@@ -36,7 +38,7 @@ def block_hashes(request: Request, block_size: int, num_tokens: int) -> list[byt
     """The hashes of the request's full blocks within its first `num_tokens` tokens (prompt,
     then output). Kept on the request and extended as it grows: each block is hashed once."""
     hashes = request.block_hashes
-    parent = hashes[-1] if hashes else root_hash(request.cache_salt)
+    parent = hashes[-1] if hashes else root_hash(request.tenant, request.cache_salt)
     for start in range(len(hashes) * block_size, num_tokens - block_size + 1, block_size):
         tokens = array("i", request.token_ids(start, start + block_size))
         parent = blake2b(parent + tokens.tobytes())

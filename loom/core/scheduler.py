@@ -14,9 +14,9 @@ queue. Victims: paused requests first (the longest paused first), then the lates
 Waiting requests are admitted only in steps that preempted nothing; a preempted request resumes
 only when blocks for all its tokens are free, so that it does not thrash.
 
-The next admitted is the `scheduling_policy`'s: `fair` (default) shares slots and tokens between
-tenants by weight, preempting for one below its share (loom/core/fair_share.py); `priority`
-and `fcfs` order by priority then arrival, or arrival. A victim for blocks: lowest priority.
+The `scheduling_policy` orders admission: `fair` (default) shares slots and tokens by tenant
+weight (loom/core/fair_share.py); `priority`, by priority then arrival; `fcfs`, by arrival.
+Victims for blocks: the most served tenant's (fair), lowest priority, latest admitted.
 
 With prefix caching, a waiting request first takes the cached blocks that hold the longest run
 of its full blocks (whole blocks only, never its last token: a step must compute at least one
@@ -99,7 +99,7 @@ class Scheduler:
         budget = self.config.max_num_batched_tokens
         chosen: list[tuple[Request, int]] = []
         if self.config.scheduling_policy == "fair":
-            margin = 2 * self.config.max_num_batched_tokens  # two full steps' service
+            margin = 16 * self.config.max_num_seqs  # eight steps of every slot decoding
             seqs = self.config.max_num_seqs
             for victim in self.fair.rebalance(self.waiting, self.running, seqs, margin):
                 self.preempt(victim)
@@ -139,9 +139,9 @@ class Scheduler:
 
     def pick_victim(self, exclude: list[Request]) -> Request:
         candidates = [r for r in self.running if r not in exclude]
-        fcfs = self.config.scheduling_policy == "fcfs"
-        last = max(reversed(candidates), key=lambda r: 0 if fcfs else r.tenancy.priority)
-        return self.longest_paused(candidates) or last
+        keys = {"fair": self.fair.victim_key, "priority": lambda r: r.tenancy.priority}
+        key = keys.get(self.config.scheduling_policy, lambda r: 0)
+        return self.longest_paused(candidates) or max(reversed(candidates), key=key)
 
     @staticmethod
     def longest_paused(requests: list[Request]) -> Request | None:

@@ -11,10 +11,8 @@
        │
        ▼ admit(submission, request): the engine hands the request to the scheduler
 
-With the fair policy the waiting queue is shared by weight (loom/core/fair_share.py): while
-others are queued, a tenant holding its share is refused; when the queue is full, a tenant below
-its share takes the place of the newest never-run request of the tenant furthest above its own,
-and that request ends REFUSED (RESOURCE_EXHAUSTED, the reason named).
+With the fair policy the waiting queue is shared by weight between tenants
+(loom/engine/queue_share.py).
 
 A submission is pending from `submit` until it is admitted or refused. Aborting it removes it
 from `pending`; it is then dropped: only the very submission still pending under its id is
@@ -24,7 +22,6 @@ admitted. A refusal found after `submit` returned ends the submission's stream w
 from __future__ import annotations
 
 import uuid
-from collections import Counter
 from collections.abc import Callable
 from functools import partial
 
@@ -34,10 +31,11 @@ import trio
 from loom.core.errors import EngineOverloadedError
 from loom.core.fair_share import Tenancy
 from loom.core.prompt import Prompt, PromptChecker, needs_tokenizer
-from loom.core.request import Request, RequestStatus
+from loom.core.request import Request
 from loom.core.sampling_params import SamplingParams
 from loom.core.scheduler import Scheduler
 from loom.engine.config import CHARS_PER_TOKEN, EngineConfig
+from loom.engine.queue_share import PUSHED_OUT, QueueShare
 from loom.engine.request_stream import RequestStream, in_trio
 from loom.model.loader import LoadedModel
 from loom.model.model_runner import ModelRunner
@@ -63,7 +61,7 @@ class Admission:
         self.prompts = prompts
         self.scheduler = scheduler
         self.send, self.recv = trio.open_memory_channel[Submission](
-            2 * config.max_waiting_requests  # with the places taken from pending ones
+            2 * config.max_waiting_requests  # aborted ones stay until handled
         )
         self.pending: dict[str, Submission] = {}  # submitted, not yet admitted nor refused
         # Sent and not yet handled, aborted ones included: never above the channel's capacity,
@@ -131,65 +129,40 @@ class Admission:
         return stream
 
     def make_place(self, tenancy: Tenancy) -> None:
-        """A place in the waiting queue for a request of this tenant, or why there is none."""
+        """Refuse a request now if the waiting queue has no place for it: full, or (the fair
+        policy) its tenant's share taken (loom/engine/queue_share.py)."""
         limit = self.config.max_waiting_requests
         if self.num_unhandled + 1 >= 2 * limit:  # the channel's capacity (see __init__)
             raise EngineOverloadedError(
                 f"the waiting queue is full: {self.num_unhandled} requests being admitted "
                 f"(max_waiting_requests={limit})"
             )
-        queued = Counter(s.tenancy.tenant for s in self.pending.values())
-        queued.update(r.tenant for r in self.scheduler.waiting if not r.paused)
-        num_queued = sum(queued.values())
-        mine = queued[tenancy.tenant]
-        if self.config.scheduler.scheduling_policy != "fair" or num_queued == mine:
-            if num_queued >= limit:  # (alone, a tenant may fill the queue)
+        if self.config.scheduler.scheduling_policy != "fair":
+            num_queued = self.scheduler.num_waiting() + self.num_unhandled
+            if num_queued >= limit:
                 raise EngineOverloadedError(
                     f"the waiting queue is full: {num_queued} requests "
                     f"(max_waiting_requests={limit})"
                 )
             return
-        weights = self.scheduler.fair.weights
-        weight = {t: weights.get(t, 1.0) for t in queued} | {tenancy.tenant: tenancy.weight}
-        share = limit * tenancy.weight / sum(weight.values())
-        if mine >= share:
-            raise EngineOverloadedError(
-                f"tenant {tenancy.tenant!r} holds {mine} of the waiting queue's places, its share "
-                f"while others wait (max_waiting_requests={limit} by weight: {tenancy.weight} "
-                f"of {sum(weight.values())})"
-            )
-        if num_queued >= limit:
-            self.push_out_for(tenancy.tenant, queued, weight, limit)
+        pending = (s.tenancy for s in self.pending.values())
+        share, queued = QueueShare.of(limit, self.scheduler.waiting, pending, tenancy)
+        share.check(tenancy.tenant, queued)
 
-    def push_out_for(
-        self, tenant: str, queued: Counter[str], weight: dict[str, float], limit: int
-    ) -> None:
-        """Give `tenant` the place of the newest never-run request of the tenant furthest above
-        its share; refuse it if that one is not in the scheduler's queue yet."""
-        total = sum(weight.values())
-        over = max(queued, key=lambda t: queued[t] - limit * weight[t] / total)
-        why = (
-            f"refused: tenant {over!r} held {queued[over]} of the waiting queue's places, above "
-            f"its share (max_waiting_requests={limit} by weight), and tenant {tenant!r} below "
-            "its share took this one"
-        )
-        victims = [
-            r
-            for r in self.scheduler.waiting
-            if r.tenant == over and r.status is RequestStatus.WAITING and not r.paused
-        ]
-        pending = [s for s in self.pending.values() if s.tenancy.tenant == over]
-        if victims:
-            self.push_out(max(victims, key=lambda r: r.arrival_time), why)
-        elif pending:
-            submission = max(pending, key=lambda s: s.arrival_time)
-            del self.pending[submission.request_id]  # the admission task drops it
-            self.refuse(submission, EngineOverloadedError(why))
-        else:
-            raise EngineOverloadedError(
-                f"the waiting queue is full: {sum(queued.values())} requests "
-                f"(max_waiting_requests={limit})"
-            )
+    def take_place(self, submission: Submission) -> None:
+        """As the request is handed to the scheduler: if the queue is full, take the place of
+        another tenant's queued request (it ends REFUSED), or refuse this one."""
+        limit = self.config.max_waiting_requests
+        if self.config.scheduler.scheduling_policy != "fair":
+            return
+        if self.pending.get(submission.request_id) is not submission:
+            return  # aborted while it was tokenised: it takes no place
+        others = (s.tenancy for s in self.pending.values() if s is not submission)
+        tenancy = submission.tenancy
+        share, queued = QueueShare.of(limit, self.scheduler.waiting, others, tenancy)
+        if queued.total() >= limit:
+            victim = share.victim(tenancy.tenant, queued, self.scheduler.waiting)
+            self.push_out(victim, PUSHED_OUT.format(limit=limit))
 
     def abort(self, request_id: str) -> bool:
         """Drop a submission not yet admitted. False if none is pending under that id."""
@@ -243,6 +216,7 @@ class Admission:
                 tenancy=submission.tenancy,
             )
             self.check_backlog(request.num_prompt_tokens)
+            self.take_place(submission)
         except Exception as exc:  # invalid or overloaded
             if self.handled(submission):
                 self.refuse(submission, exc)

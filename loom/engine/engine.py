@@ -163,8 +163,9 @@ class Engine:
         if self.core is not None:
             self.core.admission.close()
 
-    def stats(self) -> EngineStats:
-        return self.loaded_core().stats()
+    def stats(self, tenant: str | None = None) -> EngineStats:
+        """The engine's figures; by tenant, every tenant's or (`tenant`) that one's alone."""
+        return self.loaded_core().stats(tenant)
 
     def model_info(self) -> ModelInfo:
         core = self.loaded_core()

@@ -87,8 +87,7 @@ class EngineCore:
         self.wakeup.set()  # done: the stepping loop may end
 
     def admit(self, submission: Submission, request: Request) -> None:
-        self.ledger.prompt_tokens[request.tenant] += request.num_prompt_tokens
-        self.ledger.weights[request.tenant] = request.tenancy.weight
+        self.ledger.admitted(request.tenant, request.num_prompt_tokens, request.tenancy.weight)
         self.streams[request.request_id] = submission.stream
         self.scheduler.add_request(request)
         self.wakeup.set()
@@ -125,7 +124,7 @@ class EngineCore:
         """A request's new token: pushed to its stream (pausing the request when the stream is
         full), or, the request finished, its stream ended."""
         self.metrics.token(request, now)
-        self.ledger.generated_tokens[request.tenant] += 1
+        self.ledger.generated(request.tenant)
         if output.finished:
             self.end_stream(request, output, now)
         elif self.streams[request.request_id].push(output):
@@ -144,17 +143,17 @@ class EngineCore:
 
     def push_out(self, request: Request, why: str) -> None:
         """A queued request's place taken by a tenant below its share (loom/engine/admission.py)."""
-        self.ledger.refused[request.tenant] += 1
+        self.ledger.refusal(request.tenant)
         self.finish(request, RequestStatus.FINISHED_REFUSED, error=why)
 
     def refused(self, exc: Exception, tenant: str) -> None:
         self.metrics.refused(exc)
         if isinstance(exc, EngineOverloadedError):
-            self.ledger.refused[tenant] += 1
+            self.ledger.refusal(tenant)
 
     def end_stream(self, request: Request, final: RequestOutput, now: float) -> None:
         self.metrics.ended(request, now)
-        self.ledger.cached_tokens[request.tenant] += request.num_cached_tokens
+        self.ledger.ended(request.tenant, request.num_cached_tokens)
         log_request(request, final)
         self.streams.pop(request.request_id).push(final)
 
@@ -174,9 +173,9 @@ class EngineCore:
         if self.scheduler.resume(request_id):
             self.wakeup.set()
 
-    def stats(self) -> EngineStats:
+    def stats(self, tenant: str | None = None) -> EngineStats:
         pending = Counter(s.tenancy.tenant for s in self.admission.pending.values())
-        return EngineStats.of(self.scheduler, self.ledger, pending)
+        return EngineStats.of(self.scheduler, self.ledger, pending, tenant)
 
     def publish_stats(self, every: float = 0.0) -> None:
         """Publish the stats for scrapes: now, or, with `every`, once that long has passed or

@@ -22,22 +22,57 @@ class TenantStats:
     weight: float
 
 
+MAX_TENANTS = 4096  # the ledger's: beyond, the least recently active tenant is forgotten
+
+
 @attrs.define
 class TenantLedger:
-    """Each tenant's figures, all time (the engine's stepping loop records them). A tenant that
-    is never seen again stays here: bounded by the tenants the server names (keys, a proxy's
-    names, client addresses)."""
+    """Each tenant's figures, all time, recorded by the engine's stepping loop. Bounded: past
+    MAX_TENANTS tenants (a client per address can make many), the least recently active one's
+    figures are forgotten (they start again from 0 if it comes back)."""
 
     prompt_tokens: Counter[str] = attrs.field(factory=Counter)
     generated_tokens: Counter[str] = attrs.field(factory=Counter)
     cached_tokens: Counter[str] = attrs.field(factory=Counter)
     refused: Counter[str] = attrs.field(factory=Counter)
     weights: dict[str, float] = attrs.field(factory=dict)  # each one's latest
+    recent: dict[str, None] = attrs.field(factory=dict)  # least recently active first
 
-    def of(self, scheduler: Scheduler, pending: Counter[str]) -> dict[str, TenantStats]:
+    def admitted(self, tenant: str, num_prompt_tokens: int, weight: float) -> None:
+        self.seen(tenant)
+        self.prompt_tokens[tenant] += num_prompt_tokens
+        self.weights[tenant] = weight
+
+    def generated(self, tenant: str) -> None:
+        self.seen(tenant)
+        self.generated_tokens[tenant] += 1
+
+    def ended(self, tenant: str, num_cached_tokens: int) -> None:
+        self.seen(tenant)
+        self.cached_tokens[tenant] += num_cached_tokens
+
+    def refusal(self, tenant: str) -> None:
+        self.seen(tenant)
+        self.refused[tenant] += 1
+
+    def seen(self, tenant: str) -> None:
+        self.recent.pop(tenant, None)
+        self.recent[tenant] = None
+        if len(self.recent) > MAX_TENANTS:
+            forgotten = next(iter(self.recent))
+            for figures in (self.prompt_tokens, self.generated_tokens, self.cached_tokens):
+                figures.pop(forgotten, None)
+            self.refused.pop(forgotten, None)
+            self.weights.pop(forgotten, None)
+            del self.recent[forgotten]
+
+    def of(
+        self, scheduler: Scheduler, pending: Counter[str], only: str | None
+    ) -> dict[str, TenantStats]:
+        """Every tenant's figures, or (`only`) that tenant's alone."""
         running = Counter(r.tenant for r in scheduler.running if not r.paused)
         waiting = pending + Counter(r.tenant for r in scheduler.waiting if not r.paused)
-        known = set(self.prompt_tokens) | set(self.refused) | set(waiting)
+        known = set(self.recent) | set(waiting) if only is None else {only}
         return {
             tenant: TenantStats(
                 num_running=running[tenant],
@@ -70,7 +105,13 @@ class EngineStats:
     tenants: dict[str, TenantStats]
 
     @classmethod
-    def of(cls, scheduler: Scheduler, ledger: TenantLedger, pending: Counter[str]) -> EngineStats:
+    def of(
+        cls,
+        scheduler: Scheduler,
+        ledger: TenantLedger,
+        pending: Counter[str],
+        tenant: str | None = None,
+    ) -> EngineStats:
         return cls(
             num_running=scheduler.num_active(),
             num_waiting=scheduler.num_waiting() + pending.total(),
@@ -85,7 +126,7 @@ class EngineStats:
             num_cached_blocks=scheduler.block_manager.num_cached_blocks,
             prefix_cache_queries=scheduler.prefix_cache_queries,
             prefix_cache_hits=scheduler.prefix_cache_hits,
-            tenants=ledger.of(scheduler, pending),
+            tenants=ledger.of(scheduler, pending, tenant),
         )
 
 

@@ -61,9 +61,10 @@ class LoomServicer(LoomBase):
     ) -> None:
         tenant = call_of(stream).tenant
         await stream.recv_message()
+        viewer = None if tenant.admin else tenant.name
         with status_errors():
-            stats = await self.bridge.call(self.engine.stats)
-        await stream.send_message(wire.stats_message(stats, None if tenant.admin else tenant.name))
+            stats = await self.bridge.call(self.engine.stats, viewer)
+        await stream.send_message(wire.stats_message(stats, viewer))
 
     async def Abort(self, stream: Stream[pb.AbortRequest, pb.AbortResponse]) -> None:
         tenant = call_of(stream).tenant

@@ -148,9 +148,9 @@ def test_fair_share_bound_is_broken_by_fcfs() -> None:
 
 def test_fair_share_preempts_a_tenant_above_its_share_of_the_slots_and_only_it() -> None:
     """The module's worked example: a holds every slot with long requests; b (three times a's
-    weight) arrives: once a was served two full steps' tokens more than b, its newest requests
-    are preempted until it holds its share plus one slot (two of four), b takes the slots
-    freed, and nothing is preempted back and forth."""
+    weight) arrives: once a was served the margin more than b, its newest requests are
+    preempted until it holds its share (one of four), b takes the slots freed, and nothing is
+    preempted back and forth."""
     blocks = BlockManager(num_blocks=512, block_size=4, enable_caching=False)
     scheduler = Scheduler(SchedulerConfig(max_num_seqs=4, max_num_batched_tokens=32), blocks)
     a, b = Tenancy(tenant="a", weight=1.0), Tenancy(tenant="b", weight=3.0)
@@ -161,9 +161,9 @@ def test_fair_share_preempts_a_tenant_above_its_share_of_the_slots_and_only_it()
         scheduler.add_request(request(f"b{i}", 4, 200, b, 1.0))
     for now in range(2, 40):
         scheduler.update(output := scheduler.schedule(now) or fail(), sampled(output), now)
-    assert Counter(r.tenant for r in scheduler.running) == {"a": 2, "b": 2}
-    assert scheduler.num_preemptions == 2
-    assert {r.request_id for r in scheduler.waiting if r.num_preemptions} == {"a2", "a3"}
+    assert Counter(r.tenant for r in scheduler.running) == {"a": 1, "b": 3}
+    assert scheduler.num_preemptions == 3
+    assert {r.request_id for r in scheduler.waiting if r.num_preemptions} == {"a1", "a2", "a3"}
 
 
 def fail() -> SchedulerOutput:

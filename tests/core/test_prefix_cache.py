@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import attrs
 
+from loom.core.fair_share import Tenancy
 from loom.core.prefix_cache import block_hashes
 from loom.core.request import Request, RequestStatus
 from loom.core.scheduler import Scheduler
@@ -43,6 +44,9 @@ def test_block_hashes_chain_over_the_prefix_and_the_salt() -> None:
     assert not set(salted) & set(a)
     assert block_hashes(request("e", PROMPT, salt="tenant-1"), 4, 18) == salted
     assert block_hashes(request("f", PROMPT), 4, 7) == a[:1]  # full blocks only
+    # A tenant's blocks are its own: the same tokens and salt of another tenant share none.
+    other = attrs.evolve(request("g", PROMPT, salt="tenant-1"), tenancy=Tenancy(tenant="b"))
+    assert not set(block_hashes(other, 4, 18)) & set(salted)
 
 
 def test_scheduler_a_hit_counts_as_computed_and_prefills_only_the_rest() -> None:

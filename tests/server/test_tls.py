@@ -10,6 +10,7 @@ Rules: port 0; the server in this process; clients in worker threads; every test
 
 from __future__ import annotations
 
+import socket
 import ssl
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
@@ -47,7 +48,7 @@ def pki(tmp_path: Path) -> dict[str, Path]:
     server = ca.issue_cert(HOST, "localhost")
     server.cert_chain_pems[0].write_to_path(str(files["cert"]))
     server.private_key_pem.write_to_path(str(files["key"]))
-    client = ca.issue_cert("tenant-a@example.com")
+    client = ca.issue_cert("tenant-a@example.com", common_name="tenant-a")
     client.cert_chain_pems[0].write_to_path(str(files["ccert"]))
     client.private_key_pem.write_to_path(str(files["ckey"]))
     return files
@@ -72,6 +73,11 @@ def files_of(pki: dict[str, Path], *names: str) -> list[str]:
 async def grpclib_generate(port: int, context: ssl.SSLContext | None) -> list[int]:
     async with Channel(HOST, port, ssl=context) as channel:
         return token_ids(list(await LoomStub(channel).Generate(greedy([1, 2], 4), timeout=10)))
+
+
+async def server_stats(port: int, context: ssl.SSLContext) -> pb.ServerStats:
+    async with Channel(HOST, port, ssl=context) as channel:
+        return await LoomStub(channel).GetServerStats(pb.GetServerStatsRequest(), timeout=10)
 
 
 def grpcio_generate(port: int, ca: Path, cert: Path | None = None, key: Path | None = None) -> int:
@@ -115,6 +121,8 @@ async def test_tls_mutual_wants_a_client_certificate_from_the_ca(
                 grpcio_generate, port, pki["ca"], pki["ccert"], pki["ckey"]
             )
             assert served == 4
+            seen = await in_asyncio(server_stats, port, with_cert)
+            assert set(seen.tenants) == {"tenant-a"}  # the certificate's subject names it
             with pytest.raises((ssl.SSLError, OSError, StreamTerminatedError)):
                 await in_asyncio(grpclib_generate, port, client_context(ca))  # no certificate
             with pytest.raises(grpc.RpcError) as refused:
@@ -144,3 +152,28 @@ def test_tls_settings_go_together_and_a_bad_file_fails_at_start(tiny: LoadedMode
     boundary = BoundaryConfig(tls_cert_file="no.pem", tls_key_file="no.pem")
     with pytest.raises(ValueError, match="tls_cert_file, tls_key_file: "):
         Supervisor(Engine(EngineConfig(), lambda: tiny), ServerConfig(boundary=boundary))
+
+
+def handshake_without_alpn(port: int, ca: str) -> bytes:
+    """A TLS client that offers no ALPN (no h2): what the server sends it after the handshake."""
+    context = ssl.create_default_context(cafile=ca)
+    with (
+        socket.create_connection((HOST, port), timeout=10) as raw,
+        context.wrap_socket(raw, server_hostname=HOST) as tls,
+    ):
+        try:
+            return tls.recv(65536)
+        except (ConnectionResetError, ssl.SSLError):
+            return b""
+
+
+async def test_tls_a_client_that_does_not_agree_to_h2_is_closed(
+    tiny_chat: LoadedModel, pki: dict[str, Path]
+) -> None:
+    cert, key = files_of(pki, "cert", "key")
+    async with tls_serving(tiny_chat, tls_cert_file=cert, tls_key_file=key) as port:
+        with trio.fail_after(30):
+            received = await trio.to_thread.run_sync(handshake_without_alpn, port, str(pki["ca"]))
+            assert received == b""  # closed, no HTTP/2 preface sent to it
+            context = client_context(str(pki["ca"]))
+            assert len(await in_asyncio(grpclib_generate, port, context)) == 4

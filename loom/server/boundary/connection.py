@@ -104,6 +104,12 @@ class Connection(asyncio.Protocol):
         assert self.transport is not None
         self.peer_address = transport.get_extra_info("peername")
         self.peer_cert = transport.get_extra_info("peercert")  # with mutual TLS
+        tls = transport.get_extra_info("ssl_object")
+        if tls is not None and tls.selected_alpn_protocol() != "h2":
+            self.endpoint.connected(self)  # counted, so that its end gives its place back
+            self.endpoint.refused("tls_alpn")  # gRPC is HTTP/2: a TLS client must agree to h2
+            self.transport.abort()
+            return
         sock = transport.get_extra_info("socket")
         if sock is not None and sock.family in (socket.AF_INET, socket.AF_INET6):
             sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)

@@ -104,7 +104,8 @@ class Endpoint:
             self.setting_up.discard(task)
             if task.cancelled() or task.exception() is not None:
                 # A TLS handshake that failed or never came (a plaintext client, a scanner).
-                log.debug("a connection from %s failed to start: %r", host, task.exception())
+                why = None if task.cancelled() else task.exception()
+                log.debug("a connection from %s failed to start: %r", host, why)
                 self.refused("tls_handshake" if self.tls else "connection_setup")
                 self.listener.released(host)
                 if task.cancelled():
@@ -154,8 +155,8 @@ class Endpoint:
         try:
             try:
                 call.tenant = self.identify(call)  # before anything of the call is read
-            except GRPCError:
-                self.refused("unauthenticated")
+            except GRPCError as exc:
+                self.refused(exc.status.name.lower())  # unauthenticated, or bad metadata
                 raise
             await method.func(call)
             if not method.cardinality.server_streaming and not call.headers_sent:

@@ -1,0 +1,34 @@
+"""How the benchmark's clients call a server: plaintext or TLS (`--tls`, `--tls-ca-file`,
+`--tls-cert-file`, `--tls-key-file`, as `loom health` takes them), and metadata sent with every
+call (`--api-key`, or a tenant's name)."""
+
+from __future__ import annotations
+
+import argparse
+import ssl
+from typing import Any
+
+import attrs
+from grpclib.client import Channel
+
+from loom.server.health_probe import tls_of
+
+
+@attrs.frozen(kw_only=True)
+class Client:
+    tls: ssl.SSLContext | None = None
+    metadata: dict[str, str] | None = None
+
+    @classmethod
+    def of(cls, args: argparse.Namespace) -> Client:
+        key = getattr(args, "api_key", None)
+        return cls(tls=tls_of(args), metadata={"authorization": f"Bearer {key}"} if key else None)
+
+    def channel(self, host: str, port: int, **options: Any) -> Channel:
+        return Channel(host, port, ssl=self.tls, **options)
+
+    def with_metadata(self, **metadata: str) -> Client:
+        return attrs.evolve(self, metadata={**(self.metadata or {}), **metadata})
+
+
+PLAIN = Client()
