@@ -13,6 +13,7 @@ import asyncio
 import random
 import signal
 import socket
+import ssl
 import struct
 import subprocess
 import sys
@@ -27,6 +28,7 @@ from grpclib.config import Configuration
 from grpclib.health.v1.health_grpc import HealthStub
 from grpclib.health.v1.health_pb2 import HealthCheckRequest, HealthCheckResponse
 
+from loom.bench.client import Client
 from loom.bench.server_watch import server_stats
 from loom.v1 import loom_pb2 as pb
 from loom.v1.loom_grpc import LoomStub
@@ -37,12 +39,13 @@ LEAVES = ("cancel", "drop", "reset", "stop")
 KILLED_CLIENT = """
 import asyncio, sys
 from grpclib.client import Channel
-from loom.bench.server_watch import server_stats
+from loom.server.boundary.tls import client_context
 from loom.v1 import loom_pb2 as pb
 from loom.v1.loom_grpc import LoomStub
 
 async def main():
-    async with Channel(sys.argv[1], int(sys.argv[2])) as channel:
+    tls = client_context(*(a or None for a in sys.argv[4:7])) if len(sys.argv) > 4 else None
+    async with Channel(sys.argv[1], int(sys.argv[2]), ssl=tls) as channel:
         async with LoomStub(channel).Generate.open() as stream:
             n = int(sys.argv[3])
             sampling = pb.SamplingParams(temperature=0, max_tokens=n, ignore_eos=True)
@@ -63,9 +66,15 @@ class Target:
     host: str
     port: int
     info: pb.ModelInfo
+    tls: ssl.SSLContext | None = None
+    tls_files: tuple[str, str, str] | None = None  # CA, certificate, key ("": none)
 
     def channel(self, config: Configuration | None = None) -> Channel:
-        return Channel(self.host, self.port, config=config)
+        return Channel(self.host, self.port, config=config, ssl=self.tls)
+
+    @property
+    def client(self) -> Client:
+        return Client(tls=self.tls)
 
 
 @attrs.frozen(kw_only=True)
@@ -148,7 +157,7 @@ def reset(channel: Channel) -> None:
 
 async def kill_clients(target: Target, count: int, max_tokens: int) -> int:
     """Client processes SIGKILLed once each has read a token: how many died so."""
-    args = [target.host, str(target.port), str(max_tokens)]
+    args = [target.host, str(target.port), str(max_tokens), *(target.tls_files or ())]
     command = [sys.executable, "-c", KILLED_CLIENT, *args]
     processes = [
         await asyncio.create_subprocess_exec(*command, stdout=subprocess.PIPE) for _ in range(count)
@@ -168,7 +177,7 @@ async def stats_until(target: Target, done: Callable[[Any], object], seconds: fl
     """Poll GetServerStats until `done(stats)`, at most `seconds`: the last stats."""
     deadline = time.monotonic() + seconds
     while True:
-        stats = await server_stats(target.host, target.port)
+        stats = await server_stats(target.host, target.port, target.client)
         if done(stats) or time.monotonic() >= deadline:
             break
         await asyncio.sleep(0.01)
@@ -181,6 +190,6 @@ async def health(target: Target) -> str:
         return str(HealthCheckResponse.ServingStatus.Name(response.status))
 
 
-async def model_info(host: str, port: int) -> Any:
-    async with Channel(host, port) as channel:
+async def model_info(host: str, port: int, tls: ssl.SSLContext | None) -> Any:
+    async with Channel(host, port, ssl=tls) as channel:
         return await LoomStub(channel).GetModelInfo(pb.GetModelInfoRequest(), timeout=10)

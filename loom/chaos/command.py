@@ -33,6 +33,7 @@ from loom.chaos.clients import Target, model_info
 from loom.chaos.invariants import Limits, check, probe_tokens
 from loom.chaos.overload import overload
 from loom.core.setting import above, at_least
+from loom.server.health_probe import add_tls_arguments, tls_of
 
 Scenario = Callable[[sc.Run], Awaitable[sc.Result]]
 SCENARIOS: dict[str, Scenario] = {
@@ -87,17 +88,29 @@ def add_parser(commands: Any) -> argparse.ArgumentParser:
     add("--probe-timeout", type=float, default=30.0, help="the probe's deadline (default: 30)")
     add("--seed", type=int, default=0, help="(default: 0)")
     add("--json", action="store_true", help="print the results as JSON on stdout")
+    add_tls_arguments(chaos)
     return chaos
 
 
+HOSTILE = ("rapid-reset", "control-flood", "slowloris", "header-fragments")  # bare HTTP/2
+
+
 def settings_of(args: argparse.Namespace) -> tuple[list[str], sc.Settings, Limits]:
+    tls = tls_of(args) is not None
     if args.scenarios is None:
         names = [name for name in SCENARIOS if name != "drain" or args.serve is not None]
+        names = [name for name in names if not (tls and name in HOSTILE)]
     else:
         names = [name.strip() for name in args.scenarios.split(",") if name.strip()]
     unknown = [name for name in names if name not in SCENARIOS]
     if unknown or not names:
         raise ValueError(f"--scenarios: unknown {unknown}; choose from {', '.join(SCENARIOS)}")
+    if tls and set(names) & set(HOSTILE):
+        raise ValueError(
+            f"--scenarios: {', '.join(sorted(set(names) & set(HOSTILE)))} speak bare HTTP/2 in "
+            "plaintext (a socket read and written from two threads, which TLS cannot share): "
+            "run them against a plaintext port"
+        )
     if "drain" in names and args.serve is None:
         raise ValueError("--scenarios: drain needs a server chaos launches itself (--serve)")
     for flag, value, minimum in [
@@ -128,12 +141,14 @@ def settings_of(args: argparse.Namespace) -> tuple[list[str], sc.Settings, Limit
 def run(args: argparse.Namespace) -> int:
     names, settings, limits = settings_of(args)
     with server(args) as (host, port, process):
+        tls = tls_of(args)
         try:
-            info = asyncio.run(model_info(host, port))
+            info = asyncio.run(model_info(host, port, tls))
         except OSError as exc:
             print(f"loom chaos: cannot reach {host}:{port}: {exc}", file=sys.stderr)
             return 2
-        target = Target(host=host, port=port, info=info)
+        files = (args.tls_ca_file or "", args.tls_cert_file or "", args.tls_key_file or "")
+        target = Target(host=host, port=port, info=info, tls=tls, tls_files=files if tls else None)
         results = asyncio.run(chaos(target, names, settings, limits, process))
     report(target, results, as_json=args.json)
     return 1 if any(r.problems for r in results) else 0

@@ -45,7 +45,7 @@ async def overload(run: Run) -> Result:
     rng, release = random.Random(run.settings.seed + 6), asyncio.Event()
     fillers = [run.message(rng, tokens, PROMPT_LEN) for _ in range(info.max_num_seqs)]
     filling = await fill_slots(run, result, fillers, Behaviour(release=release))
-    before = await server_stats(run.target.host, run.target.port)
+    before = await server_stats(run.target.host, run.target.port, run.target.client)
     burst = run.settings.overload_factor * info.max_waiting_requests
     decided = Result("burst")
     channels = [run.target.channel() for _ in range(0, burst, STREAMS_PER_CONNECTION)]
@@ -69,7 +69,10 @@ async def overload(run: Run) -> Result:
 
 async def fill_tokens(run: Run) -> int:
     """Tokens per filler: as many as fit the context and, for all fillers at once, the pool."""
-    info, stats = run.target.info, await server_stats(run.target.host, run.target.port)
+    info, stats = (
+        run.target.info,
+        await server_stats(run.target.host, run.target.port, run.target.client),
+    )
     per_request = (stats.num_total_blocks - 1) // info.max_num_seqs * info.block_size
     return int(min(per_request, info.max_model_len) - PROMPT_LEN)
 

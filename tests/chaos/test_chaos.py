@@ -11,9 +11,12 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
+from pathlib import Path
+
+import trustme
 
 from loom.bench.serving import launched_process
-from loom.chaos.command import SCENARIOS
+from loom.chaos.command import HOSTILE, SCENARIOS
 
 SIM = "--model sim:step_ms=1"
 CHAOS = [sys.executable, "-m", "loom", "chaos", "--clients", "40", "--json"]
@@ -76,3 +79,30 @@ def test_chaos_fails_against_a_server_that_leaks_a_block_per_abort() -> None:
     assert problem.endswith(" blocks held"), problem
     assert "0 running, 0 waiting, 0 paused, 40 of " in problem  # one block per cancel
     assert slow["problems"] == [problem]  # the same 40 blocks: slow readers leak nothing
+
+
+def test_chaos_over_tls_runs_every_scenario_of_grpc_clients(tmp_path: Path) -> None:
+    """Against a TLS port: every scenario but the bare-HTTP/2 ones (and drain), which it says
+    it cannot run over TLS when asked for."""
+    ca = trustme.CA()
+    ca.cert_pem.write_to_path(str(tmp_path / "ca.pem"))
+    server = ca.issue_cert("127.0.0.1")
+    server.cert_chain_pems[0].write_to_path(str(tmp_path / "cert.pem"))
+    server.private_key_pem.write_to_path(str(tmp_path / "key.pem"))
+    tls = [
+        "--tls-cert-file",
+        str(tmp_path / "cert.pem"),
+        "--tls-key-file",
+        str(tmp_path / "key.pem"),
+    ]
+    with launched_process([*SIM.split(), *tls]) as (port, _):
+        address = ["--address", f"127.0.0.1:{port}", "--tls-ca-file", str(tmp_path / "ca.pem")]
+        code, report = chaos(*address)
+        refused = subprocess.run(
+            [*CHAOS, *address, "--scenarios", "rapid-reset"], capture_output=True, text=True
+        )
+    expected = [n for n in SCENARIOS if n not in HOSTILE and n != "drain"]
+    assert [s["name"] for s in report["scenarios"]] == expected
+    assert (code, report["ok"]) == (0, True), report
+    assert refused.returncode == 1
+    assert "rapid-reset speak bare HTTP/2 in plaintext" in refused.stderr
