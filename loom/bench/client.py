@@ -10,6 +10,7 @@ from typing import Any
 
 import attrs
 from grpclib.client import Channel
+from grpclib.events import SendRequest, listen
 
 from loom.server.health_probe import tls_of
 
@@ -25,7 +26,17 @@ class Client:
         return cls(tls=tls_of(args), metadata={"authorization": f"Bearer {key}"} if key else None)
 
     def channel(self, host: str, port: int, **options: Any) -> Channel:
-        return Channel(host, port, ssl=self.tls, **options)
+        """A channel whose every call carries the metadata (grpclib's SendRequest event)."""
+        channel = Channel(host, port, ssl=self.tls, **options)
+        metadata = self.metadata or {}
+
+        async def add_metadata(event: SendRequest) -> None:
+            for key, value in metadata.items():
+                event.metadata[key] = value
+
+        if metadata:
+            listen(channel, SendRequest, add_metadata)
+        return channel
 
     def with_metadata(self, **metadata: str) -> Client:
         return attrs.evolve(self, metadata={**(self.metadata or {}), **metadata})

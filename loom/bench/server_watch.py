@@ -13,7 +13,7 @@ async def server_stats(host: str, port: int, client: Client = PLAIN) -> pb.Serve
     async with client.channel(host, port) as channel:
         stub = LoomStub(channel)
         request = pb.GetServerStatsRequest()
-        return await stub.GetServerStats(request, timeout=10, metadata=client.metadata)
+        return await stub.GetServerStats(request, timeout=10)
 
 
 class ServerWatch:

@@ -117,13 +117,12 @@ async def one_request(
     prompt: tuple[int, ...],
     output_len: int,
     received: list[int] | None = None,
-    client: Client = PLAIN,
 ) -> RequestTiming:
     """One streamed request; its token ids go into `received`, if given."""
     start = time.perf_counter()
     times: list[float] = []
     try:
-        async with LoomStub(channel).Generate.open(metadata=client.metadata) as stream:
+        async with LoomStub(channel).Generate.open() as stream:
             await stream.send_message(request_for(prompt, output_len), end=True)
             async for response in stream:
                 now = time.perf_counter() - start
@@ -166,7 +165,7 @@ async def drive(
 
     async def run_one(prompt: tuple[int, ...], channel: Channel) -> RequestTiming:
         try:
-            return await one_request(channel, prompt, workload.output_len, client=client)
+            return await one_request(channel, prompt, workload.output_len)
         finally:
             free.put_nowait(channel)
             bar.update()
@@ -212,9 +211,7 @@ async def drive_conversations(
             for user in turns:
                 history += user
                 reply: list[int] = []
-                timing = await one_request(
-                    channel, tuple(history), conversations.output_len, reply, client
-                )
+                timing = await one_request(channel, tuple(history), conversations.output_len, reply)
                 timings.append(timing)
                 history += reply
                 bar.update()

@@ -13,7 +13,6 @@ import asyncio
 import random
 import signal
 import socket
-import ssl
 import struct
 import subprocess
 import sys
@@ -28,7 +27,7 @@ from grpclib.config import Configuration
 from grpclib.health.v1.health_grpc import HealthStub
 from grpclib.health.v1.health_pb2 import HealthCheckRequest, HealthCheckResponse
 
-from loom.bench.client import Client
+from loom.bench.client import PLAIN, Client
 from loom.bench.server_watch import server_stats
 from loom.v1 import loom_pb2 as pb
 from loom.v1.loom_grpc import LoomStub
@@ -44,9 +43,11 @@ from loom.v1 import loom_pb2 as pb
 from loom.v1.loom_grpc import LoomStub
 
 async def main():
-    tls = client_context(*(a or None for a in sys.argv[4:7])) if len(sys.argv) > 4 else None
+    key, *files = sys.argv[4:] or [""]
+    tls = client_context(*(f or None for f in files)) if files else None
+    metadata = {"authorization": f"Bearer {key}"} if key else None
     async with Channel(sys.argv[1], int(sys.argv[2]), ssl=tls) as channel:
-        async with LoomStub(channel).Generate.open() as stream:
+        async with LoomStub(channel).Generate.open(metadata=metadata) as stream:
             n = int(sys.argv[3])
             sampling = pb.SamplingParams(temperature=0, max_tokens=n, ignore_eos=True)
             request = pb.GenerateRequest(token_ids=pb.TokenIds(ids=[3, 4]), sampling=sampling)
@@ -66,15 +67,12 @@ class Target:
     host: str
     port: int
     info: pb.ModelInfo
-    tls: ssl.SSLContext | None = None
-    tls_files: tuple[str, str, str] | None = None  # CA, certificate, key ("": none)
+    client: Client = PLAIN  # TLS, and the API key every call carries
+    # For client processes: the API key ("": none), then the TLS files (CA, certificate, key).
+    client_args: tuple[str, ...] = ()
 
     def channel(self, config: Configuration | None = None) -> Channel:
-        return Channel(self.host, self.port, config=config, ssl=self.tls)
-
-    @property
-    def client(self) -> Client:
-        return Client(tls=self.tls)
+        return self.client.channel(self.host, self.port, config=config)
 
 
 @attrs.frozen(kw_only=True)
@@ -157,7 +155,7 @@ def reset(channel: Channel) -> None:
 
 async def kill_clients(target: Target, count: int, max_tokens: int) -> int:
     """Client processes SIGKILLed once each has read a token: how many died so."""
-    args = [target.host, str(target.port), str(max_tokens), *(target.tls_files or ())]
+    args = [target.host, str(target.port), str(max_tokens), *target.client_args]
     command = [sys.executable, "-c", KILLED_CLIENT, *args]
     processes = [
         await asyncio.create_subprocess_exec(*command, stdout=subprocess.PIPE) for _ in range(count)
@@ -190,6 +188,6 @@ async def health(target: Target) -> str:
         return str(HealthCheckResponse.ServingStatus.Name(response.status))
 
 
-async def model_info(host: str, port: int, tls: ssl.SSLContext | None) -> Any:
-    async with Channel(host, port, ssl=tls) as channel:
+async def model_info(host: str, port: int, client: Client) -> Any:
+    async with client.channel(host, port) as channel:
         return await LoomStub(channel).GetModelInfo(pb.GetModelInfoRequest(), timeout=10)

@@ -26,6 +26,7 @@ from typing import Any
 import attrs
 from tqdm import tqdm
 
+from loom.bench.client import Client
 from loom.bench.serving import launched_process
 from loom.chaos import hostile
 from loom.chaos import scenarios as sc
@@ -88,6 +89,7 @@ def add_parser(commands: Any) -> argparse.ArgumentParser:
     add("--probe-timeout", type=float, default=30.0, help="the probe's deadline (default: 30)")
     add("--seed", type=int, default=0, help="(default: 0)")
     add("--json", action="store_true", help="print the results as JSON on stdout")
+    add("--api-key", default=None, help="sent as `authorization: Bearer KEY` (--api-key-file)")
     add_tls_arguments(chaos)
     return chaos
 
@@ -141,14 +143,15 @@ def settings_of(args: argparse.Namespace) -> tuple[list[str], sc.Settings, Limit
 def run(args: argparse.Namespace) -> int:
     names, settings, limits = settings_of(args)
     with server(args) as (host, port, process):
-        tls = tls_of(args)
+        client = Client.of(args)
         try:
-            info = asyncio.run(model_info(host, port, tls))
+            info = asyncio.run(model_info(host, port, client))
         except OSError as exc:
             print(f"loom chaos: cannot reach {host}:{port}: {exc}", file=sys.stderr)
             return 2
         files = (args.tls_ca_file or "", args.tls_cert_file or "", args.tls_key_file or "")
-        target = Target(host=host, port=port, info=info, tls=tls, tls_files=files if tls else None)
+        client_args = (args.api_key or "", *(files if client.tls else ()))
+        target = Target(host=host, port=port, info=info, client=client, client_args=client_args)
         results = asyncio.run(chaos(target, names, settings, limits, process))
     report(target, results, as_json=args.json)
     return 1 if any(r.problems for r in results) else 0
