@@ -27,6 +27,7 @@ import sys
 from grpclib import GRPCError
 from grpclib.client import Channel
 
+from loom.server.boundary.tls import client_context
 from loom.v1 import loom_pb2 as pb
 from loom.v1.loom_grpc import LoomStub
 
@@ -54,11 +55,7 @@ def tls_of(args: argparse.Namespace) -> ssl.SSLContext | None:
     """TLS 1.2 or later with ALPN h2, as gRPC requires; None for plaintext."""
     if args.tls_ca_file is None and args.tls_cert_file is None:
         return None
-    context = ssl.create_default_context(cafile=args.tls_ca_file)
-    context.set_alpn_protocols(["h2"])
-    if args.tls_cert_file:
-        context.load_cert_chain(args.tls_cert_file, args.tls_key_file)
-    return context
+    return client_context(args.tls_ca_file, args.tls_cert_file, args.tls_key_file)
 
 
 async def main(args: argparse.Namespace) -> int:

@@ -13,6 +13,7 @@ from loom.engine.config import EngineConfig
 from loom.engine.engine import Engine, RunnerFactory
 from loom.model.loader import LoadedModel
 from loom.model.model_runner import ModelRunner
+from loom.server.boundary.config import BoundaryConfig
 from loom.server.config import ServerConfig
 from loom.server.supervisor import Supervisor
 from loom.server.tenants import TenantConfig
@@ -24,10 +25,16 @@ async def serving(
     make_runner: RunnerFactory = ModelRunner,
     *,
     tenants: TenantConfig | None = None,
+    boundary: BoundaryConfig | None = None,
     **config: Any,
 ) -> AsyncIterator[tuple[Supervisor, int]]:
     engine = Engine(EngineConfig(**config), lambda: loaded, make_runner=make_runner)
-    settings = ServerConfig(port=0, drain_timeout=5, tenants=tenants or TenantConfig())
+    settings = ServerConfig(
+        port=0,
+        drain_timeout=5,
+        tenants=tenants or TenantConfig(),
+        boundary=boundary or BoundaryConfig(),
+    )
     server = Supervisor(engine, settings)
     async with trio.open_nursery() as nursery:
         port = await nursery.start(server.run)

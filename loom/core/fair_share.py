@@ -59,6 +59,7 @@ class Tenancy:
 SHARED = Tenancy()  # one tenant for all, at weight 1 and priority 0: what an engine alone sees
 PROMPT_WEIGHT = 1.0  # VTC's w_p: a token computed
 SAMPLE_WEIGHT = 1.0  # VTC's w_q - w_p: a sampled token costs a computed one and this more
+MARGIN_PER_SLOT = 16  # eight steps of every slot decoding (2 a token): see Running slots
 
 
 @attrs.define
@@ -124,12 +125,13 @@ class FairShare:
                 del queues[tenant]
 
     def rebalance(
-        self, waiting: Iterable[Request], running: list[Request], max_num_seqs: int, margin: float
+        self, waiting: Iterable[Request], running: list[Request], max_num_seqs: int
     ) -> list[Request]:
         """The running requests to preempt so that waiting tenants below their share of the
         slots get it: only when the slots are full, each the newest unpaused request of the
-        tenant furthest above its share by more than the hysteresis and served more than the
-        waiting tenant by more than `margin` (weighted tokens)."""
+        tenant furthest above its share, if it was served more than the waiting tenant by
+        over the margin (MARGIN_PER_SLOT weighted tokens a slot)."""
+        margin = MARGIN_PER_SLOT * max_num_seqs
         num_free = max_num_seqs - sum(not r.paused for r in running)
         wants = Counter(r.tenant for r in waiting if not r.paused)
         if not wants or num_free < 0:

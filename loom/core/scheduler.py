@@ -10,13 +10,12 @@ after a step samples a new token.
 Order: running requests first, in arrival order, skipping paused ones (their consumer's buffer
 is full). When a running request cannot get blocks, a victim is preempted: its blocks are freed,
 its progress forgotten (it recomputes prompt + output later) and it goes back to the front of the
-queue. Victims: paused requests first (the longest paused first), then the latest arrival.
-Waiting requests are admitted only in steps that preempted nothing; a preempted request resumes
-only when blocks for all its tokens are free, so that it does not thrash.
+queue. Victims: paused requests first (the longest paused first), then (fair) the most served
+tenant's, the lowest priority, the latest admitted. Waiting requests are admitted only in
+steps that preempted nothing; a preempted one resumes once blocks for all its tokens are free.
 
 The `scheduling_policy` orders admission: `fair` (default) shares slots and tokens by tenant
 weight (loom/core/fair_share.py); `priority`, by priority then arrival; `fcfs`, by arrival.
-Victims for blocks: the most served tenant's (fair), lowest priority, latest admitted.
 
 With prefix caching, a waiting request first takes the cached blocks that hold the longest run
 of its full blocks (whole blocks only, never its last token: a step must compute at least one
@@ -99,9 +98,8 @@ class Scheduler:
         budget = self.config.max_num_batched_tokens
         chosen: list[tuple[Request, int]] = []
         if self.config.scheduling_policy == "fair":
-            margin = 16 * self.config.max_num_seqs  # eight steps of every slot decoding
             seqs = self.config.max_num_seqs
-            for victim in self.fair.rebalance(self.waiting, self.running, seqs, margin):
+            for victim in self.fair.rebalance(self.waiting, self.running, seqs):
                 self.preempt(victim)
         num_preemptions = self.num_preemptions
         for request in list(self.running):
@@ -160,8 +158,9 @@ class Scheduler:
     def admit_waiting(self, chosen: list[tuple[Request, int]], budget: int) -> None:
         bm = self.block_manager
         num_active = self.num_active()  # counted once: this loop may see thousands waiting
-        for request in self.admission_order():
-            if budget == 0 or num_active >= self.config.max_num_seqs:
+        order = self.admission_order()  # ordered on the first `next`: once there is room
+        while budget > 0 and num_active < self.config.max_num_seqs:
+            if (request := next(order, None)) is None:
                 return
             cached = cached_prefix(bm, request)
             num_cached = len(cached) * bm.block_size
@@ -190,11 +189,12 @@ class Scheduler:
     def admission_order(self) -> Iterator[Request]:
         """Unpaused waiting requests, the next first (a paused one waits for a resume)."""
         if self.config.scheduling_policy == "fair":
-            return self.fair.admission_order(self.waiting)
+            yield from self.fair.admission_order(self.waiting)
+            return
         waiting = [r for r in self.waiting if not r.paused]
         if self.config.scheduling_policy == "priority":
             waiting.sort(key=lambda r: (r.tenancy.priority, r.arrival_time))
-        return iter(waiting)
+        yield from waiting
 
     def make_room(self, request_id: str, num_tokens: int, cached: list[int]) -> bool:
         """Whether blocks for `num_tokens` of a waiting request (with its `cached` prefix) are

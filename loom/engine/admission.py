@@ -35,7 +35,7 @@ from loom.core.request import Request
 from loom.core.sampling_params import SamplingParams
 from loom.core.scheduler import Scheduler
 from loom.engine.config import CHARS_PER_TOKEN, EngineConfig
-from loom.engine.queue_share import PUSHED_OUT, QueueShare
+from loom.engine.queue_share import PUSHED_OUT, QueueShare, queue_full
 from loom.engine.request_stream import RequestStream, in_trio
 from loom.model.loader import LoadedModel
 from loom.model.model_runner import ModelRunner
@@ -133,17 +133,11 @@ class Admission:
         policy) its tenant's share taken (loom/engine/queue_share.py)."""
         limit = self.config.max_waiting_requests
         if self.num_unhandled + 1 >= 2 * limit:  # the channel's capacity (see __init__)
-            raise EngineOverloadedError(
-                f"the waiting queue is full: {self.num_unhandled} requests being admitted "
-                f"(max_waiting_requests={limit})"
-            )
+            raise queue_full(self.num_unhandled, limit, "requests being admitted")
         if self.config.scheduler.scheduling_policy != "fair":
             num_queued = self.scheduler.num_waiting() + self.num_unhandled
             if num_queued >= limit:
-                raise EngineOverloadedError(
-                    f"the waiting queue is full: {num_queued} requests "
-                    f"(max_waiting_requests={limit})"
-                )
+                raise queue_full(num_queued, limit)
             return
         pending = (s.tenancy for s in self.pending.values())
         share, queued = QueueShare.of(limit, self.scheduler.waiting, pending, tenancy)

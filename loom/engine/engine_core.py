@@ -40,11 +40,12 @@ from loom.engine.admission import Admission, Submission
 from loom.engine.config import EngineConfig
 from loom.engine.metrics import EngineMetrics, log_request
 from loom.engine.request_stream import RequestStream
-from loom.engine.stats import EngineStats, TenantLedger
+from loom.engine.stats import EngineStats, TenantLedger, TenantStats
 from loom.model.loader import LoadedModel
 from loom.model.model_runner import ModelRunner
 
 STATS_EVERY = 0.1  # seconds between the stats published for scrapes while stepping
+TENANT_STATS_EVERY = 1.0  # and between their per-tenant figures (a pass over every tenant)
 
 
 class EngineCore:
@@ -76,6 +77,8 @@ class EngineCore:
         self.published_stats: EngineStats | None = None
         self.published_at = float("-inf")
         self.published_shape = (0, 0, 0)
+        self.published_tenants: dict[str, TenantStats] = {}
+        self.tenants_at = float("-inf")
 
     async def run(self) -> None:
         async with trio.open_nursery() as nursery:
@@ -174,18 +177,26 @@ class EngineCore:
             self.wakeup.set()
 
     def stats(self, tenant: str | None = None) -> EngineStats:
+        """The figures; by tenant, every tenant's or (`tenant`) that one's alone."""
         pending = Counter(s.tenancy.tenant for s in self.admission.pending.values())
-        return EngineStats.of(self.scheduler, self.ledger, pending, tenant)
+        tenants = self.ledger.of(self.scheduler, pending, tenant)
+        return EngineStats.of(self.scheduler, pending, tenants)
 
     def publish_stats(self, every: float = 0.0) -> None:
         """Publish the stats for scrapes: now, or, with `every`, once that long has passed or
-        requests have come or gone (counted in O(1): a step can last long)."""
+        requests have come or gone (counted in O(1): a step can last long). The per-tenant
+        figures cost a pass over every tenant: while stepping (`every`), they are taken again
+        at most once a TENANT_STATS_EVERY."""
         now = time.monotonic()
         scheduler = self.scheduler
         shape = (len(scheduler.running), len(scheduler.waiting), len(scheduler.requests))
         if now - self.published_at >= every or shape != self.published_shape:
-            self.published_stats, self.published_at = self.stats(), now
-            self.published_shape = shape
+            pending = Counter(s.tenancy.tenant for s in self.admission.pending.values())
+            if not every or now - self.tenants_at >= TENANT_STATS_EVERY:
+                self.published_tenants = self.ledger.of(scheduler, pending, None)
+                self.tenants_at = now
+            self.published_stats = EngineStats.of(scheduler, pending, self.published_tenants)
+            self.published_at, self.published_shape = now, shape
 
     def stop(self, reason: str) -> None:
         """End every live request with an error; take no new ones."""

@@ -58,10 +58,7 @@ class QueueShare:
                 f"others wait (max_waiting_requests={self.limit}, shared by weight)"
             )
         if num_queued >= self.limit and not self.over_share(tenant, queued):
-            raise EngineOverloadedError(
-                f"the waiting queue is full: {num_queued} requests "
-                f"(max_waiting_requests={self.limit})"
-            )
+            raise queue_full(num_queued, self.limit)
 
     def over_share(self, tenant: str, queued: Counter[str]) -> str | None:
         """The tenant furthest above its share, other than `tenant`, that holds its share even
@@ -82,11 +79,14 @@ class QueueShare:
             if over is not None and r.tenant == over and r.status is RequestStatus.WAITING
         ]
         if not victims:
-            raise EngineOverloadedError(
-                f"the waiting queue is full: {queued.total()} requests "
-                f"(max_waiting_requests={self.limit})"
-            )
+            raise queue_full(queued.total(), self.limit)
         return max(victims, key=lambda r: r.arrival_time)
+
+
+def queue_full(num_queued: int, limit: int, what: str = "requests") -> EngineOverloadedError:
+    return EngineOverloadedError(
+        f"the waiting queue is full: {num_queued} {what} (max_waiting_requests={limit})"
+    )
 
 
 PUSHED_OUT = (

@@ -108,9 +108,8 @@ class EngineStats:
     def of(
         cls,
         scheduler: Scheduler,
-        ledger: TenantLedger,
         pending: Counter[str],
-        tenant: str | None = None,
+        tenants: dict[str, TenantStats],
     ) -> EngineStats:
         return cls(
             num_running=scheduler.num_active(),
@@ -126,7 +125,7 @@ class EngineStats:
             num_cached_blocks=scheduler.block_manager.num_cached_blocks,
             prefix_cache_queries=scheduler.prefix_cache_queries,
             prefix_cache_hits=scheduler.prefix_cache_hits,
-            tenants=ledger.of(scheduler, pending, tenant),
+            tenants=tenants,
         )
 
 

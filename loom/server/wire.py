@@ -121,13 +121,12 @@ def stats_message(stats: EngineStats, viewer: str | None) -> pb.ServerStats:
     nobody else's (`viewer` None: an admin, who sees all)."""
     fields = attrs.asdict(stats, recurse=False)
     tenants = fields.pop("tenants")
-    if viewer is not None:
-        own = tenants.get(viewer)
-        tenants = {viewer: own} if own is not None else {}
-        fields["num_prompt_tokens"] = own.num_prompt_tokens if own else 0
-        fields["num_generated_tokens"] = own.num_generated_tokens if own else 0
-        fields["prefix_cache_queries"] = own.num_prompt_tokens if own else 0
-        fields["prefix_cache_hits"] = own.num_cached_tokens if own else 0
+    if viewer is not None:  # (the engine's stats for one tenant hold that tenant's alone)
+        own = tenants[viewer]
+        tenants = {viewer: own}
+        fields["num_prompt_tokens"] = fields["prefix_cache_queries"] = own.num_prompt_tokens
+        fields["num_generated_tokens"] = own.num_generated_tokens
+        fields["prefix_cache_hits"] = own.num_cached_tokens
     message = pb.ServerStats(**fields)
     for name, figures in tenants.items():
         message.tenants[name].CopyFrom(tenant_message(figures))

@@ -362,6 +362,8 @@ async def test_engine_shares_the_waiting_queue_between_tenants_by_weight() -> No
                 engine.submit([2] * 3, GREEDY, tenancy=a)
             for stream in [running, *queued[:2], *taken]:
                 engine.abort(stream.request_id)
+            await wait_until(lambda: not engine.stats().num_running + engine.stats().num_waiting)
+            assert_idle(engine)  # every block freed, the refused ones' included
 
 
 async def refusal(stream: RequestStream) -> str:

@@ -9,6 +9,7 @@ Rules: port 0; the server in this process; clients in worker threads; every test
 from __future__ import annotations
 
 import asyncio
+import re
 from pathlib import Path
 from typing import Any
 
@@ -21,7 +22,7 @@ from grpclib.health.v1.health_grpc import HealthStub
 from grpclib.health.v1.health_pb2 import HealthCheckRequest
 
 from loom.model.loader import LoadedModel
-from loom.server.tenants import TenantConfig
+from loom.server.tenants import TenantConfig, Tenants
 from loom.v1 import loom_pb2 as pb
 from loom.v1.loom_grpc import LoomStub
 from tests.grpc_client import HOST, SMALL_WINDOWS, greedy, in_asyncio, token_ids
@@ -132,6 +133,45 @@ async def test_tenants_loom_tenant_names_the_tenant_from_a_trusted_proxy(
             assert set(seen.tenants) == {"alice"}
             assert seen.num_prompt_tokens == 3  # alice's own, not bob's
             assert seen.tenants["alice"].num_generated_tokens == 4
+
+
+async def test_tenants_a_long_tenant_name_or_a_priority_out_of_range_is_refused(
+    tiny_chat: LoadedModel,
+) -> None:
+    config = TenantConfig(trusted_proxies=("127.0.0.1",))
+    async with serving(tiny_chat, tenants=config) as (_, port):
+        with trio.fail_after(30):
+            with pytest.raises(GRPCError) as refused:
+                await in_asyncio(generate, port, greedy([1], 4), **{"loom-tenant": "x" * 129})
+            assert refused.value.status is Status.INVALID_ARGUMENT
+            assert "loom-tenant: 129 characters, more than 128" in (refused.value.message or "")
+            for priority in (1_000_001, -1_000_001):
+                request = greedy([1], 4)
+                request.priority = priority
+                with pytest.raises(GRPCError) as refused:
+                    await in_asyncio(generate, port, request)
+                assert refused.value.status is Status.INVALID_ARGUMENT
+                assert "priority must be in [-1000000, 1000000]" in (refused.value.message or "")
+
+
+@pytest.mark.parametrize(
+    ("lines", "error"),
+    [
+        ("", "no keys"),
+        ("lonely-key\n", "line 1: a key and its tenant, got 1 words"),
+        ("k1 a\nk1 b\n", "line 2: the key is already given to 'a'"),
+        ("k1 a weight=0\n", "line 1: weight must be in [0.01, 100]"),
+        ("k1 a weight=nan\n", "line 1: weight must be in [0.01, 100]"),
+        ("k1 a root\n", "line 1: unknown option 'root'"),
+    ],
+)
+def test_tenants_a_bad_key_file_fails_at_start_naming_the_line(
+    tmp_path: Path, lines: str, error: str
+) -> None:
+    path = tmp_path / "keys"
+    path.write_text(lines)
+    with pytest.raises(ValueError, match=re.escape(error)):
+        Tenants(TenantConfig(api_key_file=str(path)))
 
 
 async def test_tenants_see_their_own_figures_and_an_admin_sees_all(

@@ -35,6 +35,7 @@ from loom.server.supervisor import Supervisor
 from loom.v1 import loom_pb2 as pb
 from loom.v1.loom_grpc import LoomStub
 from tests.grpc_client import HOST, greedy, in_asyncio, token_ids
+from tests.server_harness import serving
 
 GENERATE = "/loom.v1.Loom/Generate"
 
@@ -55,15 +56,18 @@ def pki(tmp_path: Path) -> dict[str, Path]:
 
 
 @asynccontextmanager
-async def tls_serving(loaded: LoadedModel, **tls: Any) -> AsyncIterator[int]:
-    config = ServerConfig(port=0, drain_timeout=5, boundary=BoundaryConfig(**tls))
-    server = Supervisor(Engine(EngineConfig(), lambda: loaded), config)
-    async with trio.open_nursery() as nursery:
-        port = await nursery.start(server.run)
-        try:
-            yield port
-        finally:
-            nursery.cancel_scope.cancel()
+async def tls_serving(
+    loaded: LoadedModel, pki: dict[str, Path], *, mutual: bool = False, **limits: Any
+) -> AsyncIterator[int]:
+    """A server of TLS with the test's certificate; `mutual`: wanting clients' too."""
+    boundary = BoundaryConfig(
+        tls_cert_file=str(pki["cert"]),
+        tls_key_file=str(pki["key"]),
+        tls_client_ca_file=str(pki["ca"]) if mutual else None,
+        **limits,
+    )
+    async with serving(loaded, boundary=boundary) as (_, port):
+        yield port
 
 
 def files_of(pki: dict[str, Path], *names: str) -> list[str]:
@@ -99,8 +103,7 @@ def grpcio_generate(port: int, ca: Path, cert: Path | None = None, key: Path | N
 async def test_tls_grpclib_and_grpcio_clients_are_served(
     tiny_chat: LoadedModel, pki: dict[str, Path]
 ) -> None:
-    cert, key = files_of(pki, "cert", "key")
-    async with tls_serving(tiny_chat, tls_cert_file=cert, tls_key_file=key) as port:
+    async with tls_serving(tiny_chat, pki) as port:
         with trio.fail_after(30):
             context = client_context(str(pki["ca"]))
             assert len(await in_asyncio(grpclib_generate, port, context)) == 4
@@ -111,9 +114,8 @@ async def test_tls_grpclib_and_grpcio_clients_are_served(
 async def test_tls_mutual_wants_a_client_certificate_from_the_ca(
     tiny_chat: LoadedModel, pki: dict[str, Path]
 ) -> None:
-    cert, key, ca = files_of(pki, "cert", "key", "ca")
-    tls = {"tls_cert_file": cert, "tls_key_file": key, "tls_client_ca_file": ca}
-    async with tls_serving(tiny_chat, **tls) as port:
+    ca = str(pki["ca"])
+    async with tls_serving(tiny_chat, pki, mutual=True) as port:
         with trio.fail_after(30):
             with_cert = client_context(ca, *files_of(pki, "ccert", "ckey"))
             assert len(await in_asyncio(grpclib_generate, port, with_cert)) == 4
@@ -133,8 +135,7 @@ async def test_tls_mutual_wants_a_client_certificate_from_the_ca(
 async def test_tls_a_plaintext_client_is_refused_cleanly_and_the_server_serves_on(
     tiny_chat: LoadedModel, pki: dict[str, Path], caplog: pytest.LogCaptureFixture
 ) -> None:
-    cert, key = files_of(pki, "cert", "key")
-    async with tls_serving(tiny_chat, tls_cert_file=cert, tls_key_file=key) as port:
+    async with tls_serving(tiny_chat, pki) as port:
         with trio.fail_after(30):
             with pytest.raises(Exception):  # noqa: B017, PT011 (grpclib's word for it varies)
                 await in_asyncio(grpclib_generate, port, None)
@@ -170,10 +171,29 @@ def handshake_without_alpn(port: int, ca: str) -> bytes:
 async def test_tls_a_client_that_does_not_agree_to_h2_is_closed(
     tiny_chat: LoadedModel, pki: dict[str, Path]
 ) -> None:
-    cert, key = files_of(pki, "cert", "key")
-    async with tls_serving(tiny_chat, tls_cert_file=cert, tls_key_file=key) as port:
+    async with tls_serving(tiny_chat, pki) as port:
         with trio.fail_after(30):
             received = await trio.to_thread.run_sync(handshake_without_alpn, port, str(pki["ca"]))
             assert received == b""  # closed, no HTTP/2 preface sent to it
+            context = client_context(str(pki["ca"]))
+            assert len(await in_asyncio(grpclib_generate, port, context)) == 4
+
+
+def silent_until_closed(port: int) -> bytes:
+    """A TCP client that never starts the TLS handshake: what it reads before the server closes
+    it (the socket gives up after 8 s)."""
+    with socket.create_connection((HOST, port), timeout=8) as sock:
+        try:
+            return sock.recv(65536)
+        except ConnectionResetError:
+            return b""
+
+
+async def test_tls_a_handshake_never_begun_is_closed_at_the_preface_timeout(
+    tiny_chat: LoadedModel, pki: dict[str, Path]
+) -> None:
+    async with tls_serving(tiny_chat, pki, preface_timeout=1.0) as port:
+        with trio.fail_after(30):
+            assert await trio.to_thread.run_sync(silent_until_closed, port) == b""
             context = client_context(str(pki["ca"]))
             assert len(await in_asyncio(grpclib_generate, port, context)) == 4
