@@ -55,10 +55,10 @@ RUN mkdir -p "${XDG_CACHE_HOME}" "${HF_HOME}" \
 VOLUME ["/var/cache/loom"]
 USER ${LOOM_UID}
 WORKDIR /home/loom
-EXPOSE 50051 9464
+EXPOSE 50051 8000 9464
 HEALTHCHECK --interval=10s --timeout=5s --start-period=120s --retries=3 \
     CMD ["loom", "health", "--address", "127.0.0.1:50051"]
 # Exec form: loom is PID 1 and gets SIGTERM, which drains in-flight streams.
 ENTRYPOINT ["loom"]
-CMD ["serve", "--host", "0.0.0.0", "--port", "50051", "--metrics-port", "9464", \
-     "--metrics-host", "0.0.0.0"]
+CMD ["serve", "--host", "0.0.0.0", "--port", "50051", "--http-port", "8000", \
+     "--http-host", "0.0.0.0", "--metrics-port", "9464", "--metrics-host", "0.0.0.0"]

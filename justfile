@@ -43,9 +43,10 @@ lock:
     done
     rm "$no_torch"
 
-# Serve the default model over gRPC on 127.0.0.1:50051 (flags as `loom serve --help`)
+# Serve the default model over gRPC on 127.0.0.1:50051 and OpenAI's HTTP API on 127.0.0.1:8000
+# (flags as `loom serve --help`)
 serve *args: setup
-    .venv/bin/loom serve "$@"
+    .venv/bin/loom serve --http-port 8000 "$@"
 
 # Benchmark the standard workload (1, 8, 32, 64 concurrent) side by side with transformers
 bench *args: setup

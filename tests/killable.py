@@ -2,13 +2,16 @@
 streaming client on demand, in a millisecond rather than a new interpreter's second, so that a
 test can SIGKILL hundreds of real client processes at random points of their streams.
 
-    python -m tests.killable HOST PORT
-    stdin: "grpclib MAX_TOKENS" or "h2 MAX_TOKENS", a line each -> stdout: the child's pid
+    python -m tests.killable HOST PORT [HTTP_PORT]
+    stdin: "grpclib MAX_TOKENS", "h2 MAX_TOKENS" or "http MAX_TOKENS", a line each -> stdout:
+    the child's pid
 
 - grpclib: grpclib's client, one channel, one Generate stream read to the end. Killed, the
   kernel closes its socket: a FIN, or an RST when unread data is left in it.
 - h2: a bare h2 client whose socket has SO_LINGER 0, so that its death is a TCP RST whatever
   it had read; it answers SETTINGS and PINGs and keeps its window open, as a reader does.
+
+- http: a streamed /v1/completions on the HTTP API's port, read over a bare socket.
 
 Children are reaped by the kernel (SIGCHLD ignored); the test kills them by pid.
 """
@@ -16,6 +19,7 @@ Children are reaped by the kernel (SIGCHLD ignored); the test kills them by pid.
 from __future__ import annotations
 
 import asyncio
+import json
 import os
 import signal
 import socket
@@ -63,11 +67,32 @@ def h2_client(host: str, port: int, max_tokens: int) -> None:
                 connection.acknowledge_received_data(event.flow_controlled_length, 1)
 
 
+def http_client(host: str, port: int, max_tokens: int) -> None:
+    body = json.dumps(
+        {
+            "prompt": [3, 4, 5],
+            "max_tokens": max_tokens,
+            "temperature": 0,
+            "ignore_eos": True,
+            "stream": True,
+        }
+    ).encode()
+    with socket.create_connection((host, port)) as sock:
+        sock.sendall(
+            b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+            b"Content-Length: %d\r\n\r\n%s" % (len(body), body)
+        )
+        while sock.recv(65536):
+            pass
+
+
 def child(kind: str, host: str, port: int, max_tokens: int) -> None:
     signal.signal(signal.SIGCHLD, signal.SIG_DFL)
     try:
         if kind == "grpclib":
             asyncio.run(grpclib_client(host, port, max_tokens))
+        elif kind == "http":
+            http_client(host, int(sys.argv[3]), max_tokens)
         else:
             h2_client(host, port, max_tokens)
     finally:

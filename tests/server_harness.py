@@ -15,6 +15,7 @@ from loom.model.loader import LoadedModel
 from loom.model.model_runner import ModelRunner
 from loom.server.boundary.config import BoundaryConfig
 from loom.server.config import ServerConfig
+from loom.server.openai.config import HttpConfig
 from loom.server.supervisor import Supervisor
 from loom.server.tenants import TenantConfig
 
@@ -26,14 +27,17 @@ async def serving(
     *,
     tenants: TenantConfig | None = None,
     boundary: BoundaryConfig | None = None,
+    http: HttpConfig | None = None,
     **config: Any,
 ) -> AsyncIterator[tuple[Supervisor, int]]:
+    """With `http`, the HTTP API too (its port: `server.http_port`)."""
     engine = Engine(EngineConfig(**config), lambda: loaded, make_runner=make_runner)
     settings = ServerConfig(
         port=0,
         drain_timeout=5,
         tenants=tenants or TenantConfig(),
         boundary=boundary or BoundaryConfig(),
+        http=http or HttpConfig(),
     )
     server = Supervisor(engine, settings)
     async with trio.open_nursery() as nursery:

@@ -120,6 +120,13 @@ def test_deploy_every_command_line_parses_with_loom_s_parser(
             assert args.host == "0.0.0.0"  # reachable from outside the container
             assert args.port == 50051
             assert args.metrics_host == "0.0.0.0"  # scraped from outside it too
+    for command in (
+        compose["services"]["loom"]["command"],
+        json.loads(instruction(dockerfile, "CMD")),
+    ):
+        args = parser().parse_args(command)
+        assert (args.http_port, args.http_host) == (8000, "0.0.0.0")  # OpenAI's HTTP API
+    assert "8000:8000" in compose["services"]["loom"]["ports"]
 
 
 def instruction(dockerfile: str, name: str) -> str:
@@ -135,7 +142,7 @@ def test_deploy_dockerfile_runs_loom_as_pid_1_as_a_fixed_non_root_user(dockerfil
     assert json.loads(instruction(dockerfile, "ENTRYPOINT")) == ["loom"]  # exec form
     assert instruction(dockerfile, "USER") == "${LOOM_UID}"
     assert re.search(r"^ARG LOOM_UID=(\d+)$", dockerfile, re.MULTILINE).group(1) != "0"  # type: ignore[union-attr]
-    assert instruction(dockerfile, "EXPOSE") == "50051 9464"  # gRPC, /metrics
+    assert instruction(dockerfile, "EXPOSE") == "50051 8000 9464"  # gRPC, HTTP API, /metrics
     for variable in ("HOME=", "HF_HOME=", "XDG_CACHE_HOME=", "LOOM_CACHE_DIR="):
         assert variable in dockerfile
     assert "chmod -R a+rwX /var/cache/loom /home/loom" in dockerfile  # any UID can write

@@ -116,6 +116,8 @@ def test_k8s_every_loom_command_line_parses_with_loom_s_parser(manifests: Manife
             assert settings.port == port(each, "grpc")
             assert settings.metrics_port == port(each, "metrics")
             assert settings.metrics_host == "0.0.0.0"  # scraped from outside the pod
+            assert settings.http.http_port == port(each, "http")  # OpenAI's HTTP API
+            assert settings.http.http_host == "0.0.0.0"
             # nginx (deploy/k8s/nginx.yaml) opens a connection per call: one peer, many
             assert settings.boundary.max_connections_per_peer == settings.boundary.max_connections
 

@@ -29,7 +29,13 @@ from loom.server.boundary.call import Call
 from loom.server.boundary.frames import advertised, goaway
 
 ROOT = Path(__file__).parent.parent
-PINS = {"grpclib": "0.4.9", "h2": "4.4.1", "hpack": "4.2.0", "hyperframe": "6.1.0"}
+PINS = {
+    "grpclib": "0.4.9",
+    "h2": "4.4.1",
+    "hpack": "4.2.0",
+    "hyperframe": "6.1.0",
+    "aiohttp": "3.14.5",
+}
 
 
 def test_pins_the_installed_versions_are_the_pinned_ones() -> None:
@@ -171,3 +177,26 @@ def test_pins_h2_s_decoder_takes_the_decoded_header_limit_loom_sets() -> None:
     except h2.exceptions.DenialOfServiceError:
         return
     raise AssertionError("a header list past the decoder's limit must be refused")
+
+
+def test_pins_aiohttp_s_server_hooks_the_http_front_relies_on() -> None:
+    """loom/server/openai/front.py: a web.Server told of each connection, its handlers closed
+    gracefully or at once, the handler cancelled when its connection is lost, and the
+    protocol's paused flag read before a write that must not wait."""
+    from aiohttp import web
+    from aiohttp.base_protocol import BaseProtocol
+    from aiohttp.web_protocol import RequestHandler
+
+    server = inspect.signature(web.Server.__init__).parameters
+    assert "handler_cancellation" in server
+    made = inspect.signature(web.Server.connection_made).parameters
+    lost = inspect.signature(web.Server.connection_lost).parameters
+    assert list(made) == ["self", "handler", "transport"]
+    assert list(lost) == ["self", "handler", "exc"]
+    assert callable(RequestHandler.close)
+    assert callable(RequestHandler.force_close)
+    assert isinstance(BaseProtocol.writing_paused, property)
+    assert isinstance(web.Server.connections, property)
+    handler = inspect.signature(RequestHandler.__init__).parameters
+    for name in ("keepalive_timeout", "max_line_size", "max_field_size", "access_log"):
+        assert name in handler, name

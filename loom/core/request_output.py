@@ -18,6 +18,9 @@ class FinishReason(enum.StrEnum):
     REFUSED = "refused"  # queued, then its place given to a tenant below its share
 
 
+NORMAL_FINISHES = frozenset({FinishReason.STOP, FinishReason.LENGTH, FinishReason.STOP_SEQUENCE})
+
+
 @attrs.frozen(kw_only=True)
 class TokenLogprob:
     token_id: int

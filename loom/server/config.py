@@ -1,5 +1,5 @@
-"""The serving process's settings: where it listens, the network boundary's limits, drain, logs,
-metrics."""
+"""The serving process's settings: where it listens (gRPC, and OpenAI's HTTP API), the network
+boundary's limits, tenants, drain, logs, metrics."""
 
 from __future__ import annotations
 
@@ -7,6 +7,7 @@ import attrs
 
 from loom.core.setting import above, in_range, setting
 from loom.server.boundary.config import BoundaryConfig
+from loom.server.openai.config import HttpConfig
 from loom.server.tenants import TenantConfig
 
 
@@ -16,6 +17,7 @@ class ServerConfig:
     port: int = setting(50051, "port to listen on; 0 picks a free one", check=in_range(0, 65535))
     boundary: BoundaryConfig = attrs.field(factory=BoundaryConfig)
     tenants: TenantConfig = attrs.field(factory=TenantConfig)
+    http: HttpConfig = attrs.field(factory=HttpConfig)
     drain_timeout: float = setting(
         30.0, "seconds in-flight requests get to finish on SIGTERM", check=above(0)
     )

@@ -1,5 +1,6 @@
-"""The trio side's handle on the server's asyncio thread, where the gRPC endpoint (and the
-metrics port) live: `run` starts the thread, builds everything there, reports the bound port,
+"""The trio side's handle on the server's asyncio thread, where the gRPC endpoint, the HTTP
+front (OpenAI's API, with `http_port` set; loom/server/openai/) and the metrics port live:
+`run` starts the thread, builds everything there, reports the bound port,
 and when cancelled stops the endpoint and joins the thread; an exception in the asyncio thread
 comes back out of `run`. The trio side steers it with `in_loop` and waits on its counts
 (`until_zero`).
@@ -37,6 +38,8 @@ from loom.server.bridge import Count, TrioBridge
 from loom.server.config import ServerConfig
 from loom.server.drain import DrainPhase
 from loom.server.metrics import MetricsEndpoint, boundary_refusals
+from loom.server.openai.api import OpenAIApi
+from loom.server.openai.front import HttpFront
 from loom.server.servicer import LoomServicer
 from loom.server.tenants import Tenant, Tenants
 
@@ -48,6 +51,7 @@ class GrpcThread:
         self.engine = engine
         self.config = config
         self.tls = server_context(config.boundary)  # a bad file fails here, at start
+        self.http_tls = server_context(config.boundary, alpn=("http/1.1",))
         self.tenants = Tenants(config.tenants)  # and a bad key file
         self.loop: asyncio.AbstractEventLoop | None = None
         self.stop_event: asyncio.Event | None = None
@@ -56,6 +60,8 @@ class GrpcThread:
         self.endpoint: Endpoint | None = None
         self.servicer: LoomServicer | None = None
         self.metrics: MetricsEndpoint | None = None  # with `metrics_port` set
+        self.http: HttpFront | None = None  # with `http_port` set
+        self.http_port: int | None = None
 
     async def run(self, *, task_status: trio.TaskStatus[int] = trio.TASK_STATUS_IGNORED) -> None:
         token = trio.lowlevel.current_trio_token()
@@ -102,6 +108,8 @@ class GrpcThread:
         self.endpoint = Endpoint(services, self.config.boundary, refused, self.identify, self.tls)
         try:
             port = await self.endpoint.start(self.config.host, self.config.port)
+            if self.config.http.http_port is not None:
+                await self.start_http(servicer, refused)
             if self.config.metrics_port is not None:
                 self.metrics = MetricsEndpoint(registry)
                 await self.metrics.start(self.config.metrics_host, self.config.metrics_port)
@@ -110,7 +118,20 @@ class GrpcThread:
         finally:
             if self.metrics is not None:
                 await self.metrics.close()
+            if self.http is not None:
+                await self.http.close()
             await self.endpoint.close()
+
+    async def start_http(self, servicer: LoomServicer, refused: Callable[[str], None]) -> None:
+        """OpenAI's HTTP API on the same engine, tenants, counts and Abort registry."""
+        config = self.config
+        api = OpenAIApi(
+            self.engine, servicer.bridge, self.tenants, servicer.live, config.http, config.boundary
+        )
+        self.http = HttpFront(api, config.boundary, self.endpoint, refused, self.http_tls)
+        api.front = self.http
+        assert config.http.http_port is not None
+        self.http_port = await self.http.start(config.http.http_host, config.http.http_port)
 
     def identify(self, call: Call) -> Tenant | None:
         """The call's tenant (loom/server/tenants.py); None for a health probe that needs none."""
@@ -136,7 +157,14 @@ class GrpcThread:
 
     def enter(self, phase: DrainPhase) -> bool:
         """The endpoint enters a drain phase (in its thread); False once the loop has gone."""
-        return self.in_loop(lambda: self.endpoint.enter(phase) if self.endpoint else None)
+
+        def enter() -> None:
+            if self.endpoint is not None:
+                self.endpoint.enter(phase)
+            if self.http is not None:
+                self.http.enter(phase)
+
+        return self.in_loop(enter)
 
     @property
     def num_connections(self) -> int:

@@ -1,153 +1,226 @@
-"""One Generate call from its request to its end: the relay owns the engine request it submits.
+"""One client request from its submission to its end, for either front: the relay owns the
+engine requests it submits (one, or `n` for an HTTP request asking for several choices).
 
-    submit (trio thread, through the bridge) ──▶ RequestStream
-        call.when_ended(abort): a reset or a lost connection aborts the request at once, in the
-        connection's own event, whatever the handler is doing
-    relay: what has piled up since the last send goes out as one Delta; the end as a Final
-        message or a status (DESIGN.md §6)
+    submit (trio thread, through the bridge) ──▶ a RequestStream for each choice
+        sink.when_ended(abort): a reset or a lost connection aborts every choice at once, in
+        the connection's own event, whatever the handler is doing
+    relay: what has piled up since the last send goes out as one message, framed by the
+        front (`Framing`: a gRPC Delta, an SSE chunk; nothing yet for a whole HTTP response);
+        a normal end as the front's last message; any other end aborts every choice and comes
+        out as the front's error (a gRPC status, an HTTP error)
     finally: abort (a no-op for a request that finished)
 
-The handler never holds the engine up: the engine pushes into the request's bounded buffer and
-this side drains it. A message goes out at once when the connection can take it whole (the
+The handler never holds the engine up: the engine pushes into each request's bounded buffer
+and this side drains it. A message goes out at once when the connection can take it whole (the
 common case: no task, no wait); otherwise it is sent in a task of its own while the relay
-watches the request. If the engine ends the request (stalled client, deadline, crash) while
-that send is blocked on a client that stopped reading, the send is cancelled and the stream
-reset (RST_STREAM): trailers after a half-sent message would break the client; after a normal
-finish the client gets `send_timeout` to take its last message first.
+watches the requests. If the engine ends a request (stalled client, deadline, crash) while that
+send is blocked on a client that stopped reading, the send is cancelled and the stream reset
+(gRPC: RST_STREAM; HTTP: the connection closed): trailers after a half-sent message would break
+the client; after a normal finish the client gets `send_timeout` to take its last message first.
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
+from typing import Any, Protocol
 
+import attrs
 import trio
-from grpclib import GRPCError
 
 from loom.core.fair_share import Tenancy
 from loom.core.prompt import Prompt
-from loom.core.request_output import RequestOutput
+from loom.core.request_output import NORMAL_FINISHES, RequestOutput
 from loom.core.sampling_params import SamplingParams
 from loom.engine.engine import Engine
 from loom.engine.request_stream import RequestStream
-from loom.server import wire
-from loom.server.boundary.call import Call
 from loom.server.bridge import TrioBridge
-from loom.server.status import ABNORMAL_STATUS, ClientGoneError, status_errors
-from loom.v1 import loom_pb2 as pb
 
 log = logging.getLogger(__name__)
+
+
+class ClientGoneError(Exception):
+    """The client stopped reading; its stream was reset."""
 
 
 Live = dict[tuple[str, str], set[RequestStream]]  # by (tenant, request_id label): for Abort
 
 
+@attrs.frozen(kw_only=True)
+class Submission:
+    """One engine request a client's request makes."""
+
+    prompt: Prompt
+    sampling: SamplingParams
+    cache_salt: str = ""
+    tenancy: Tenancy
+
+
+class Ending:
+    """What a sink's end means, the same for a gRPC call and an HTTP exchange: `when_ended`
+    callbacks run once, at the moment it ends (what must not outlive it, an engine request,
+    is released there); `arrived` tells the drain, once, that it has reached the engine."""
+
+    def __init__(self) -> None:
+        self.ended: str | None = None  # why, once it has
+        self.on_end: list[Callable[[], object]] = []
+        self.on_arrival: Callable[[], object] | None = None  # the drain counts arrivals
+
+    def run_end(self, why: str) -> bool:
+        """It has ended: the callbacks run now. False (and nothing run) if it had already."""
+        if self.ended is not None:
+            return False
+        self.ended = why
+        callbacks, self.on_end = self.on_end, []
+        for callback in callbacks:
+            callback()
+        return True
+
+    def when_ended(self, callback: Callable[[], object]) -> None:
+        """Run `callback` when it ends (at once, if it has)."""
+        if self.ended is not None:
+            callback()
+        else:
+            self.on_end.append(callback)
+
+    def arrived(self) -> None:
+        """It has been handed to the engine (or refused by it): once."""
+        hook, self.on_arrival = self.on_arrival, None
+        if hook is not None:
+            hook()
+
+
+class Sink(Protocol):
+    """Where a relay sends: a gRPC call (loom/server/boundary/call.py) or an HTTP exchange
+    (loom/server/openai/exchange.py)."""
+
+    def when_ended(self, callback: Callable[[], object]) -> None: ...
+    def arrived(self) -> None: ...
+    async def try_send(self, message: Any) -> bool: ...  # at once, or False (nothing sent)
+    async def send_message(self, message: Any) -> None: ...
+    async def cancel(self) -> None: ...
+
+
+class Framing(Protocol):
+    """How a front frames the outputs of choice `index`. None: nothing to send yet."""
+
+    def delta(self, index: int, batch: Sequence[RequestOutput]) -> Any: ...
+    def final(self, index: int, batch: Sequence[RequestOutput], done: bool) -> Any: ...
+    def abnormal(self, index: int, batch: Sequence[RequestOutput]) -> tuple[Any, Exception]: ...
+
+
 class Relay:
-    def __init__(self, call: Call, engine: Engine, bridge: TrioBridge, live: Live) -> None:
-        self.call = call
+    def __init__(
+        self, sink: Sink, framing: Framing, engine: Engine, bridge: TrioBridge, live: Live
+    ) -> None:
+        self.sink = sink
+        self.framing = framing
         self.engine = engine
         self.bridge = bridge
         self.live = live
         self.send_timeout = engine.config.stall_timeout  # a finished request's last message
         self.wake = asyncio.Event()
-        self.request_id = ""  # the client's label (or one made for it), echoed in the Final
+        self.streams: list[RequestStream] = []
 
-    async def run(self, request: pb.GenerateRequest) -> None:
+    async def run(
+        self, request_id: str, submissions: Sequence[Submission], time_left: float | None
+    ) -> None:
+        """Submit every choice (`time_left`: seconds to the client's deadline), relay
+        their outputs, end them all. `request_id` is the client's label: the engine keys by
+        its own ids."""
+        tenant = submissions[0].tenancy.tenant
+        key = (tenant, request_id)
         try:
-            with status_errors():
-                # The client's id is a label, echoed and logged: the engine keys by its own ids.
-                self.request_id = wire.request_id_from(request)
-                prompt = wire.prompt_from(request)
-                sampling = wire.sampling_from(request.sampling)
-                tenant = self.call.tenant
-                tenancy = wire.tenancy_from(request, tenant.name, tenant.weight)
-                outputs = await self.submit(prompt, sampling, request.cache_salt, tenancy)
-                self.call.when_ended(outputs.abort)
-                key = (tenant.name, self.request_id)
-                self.live.setdefault(key, set()).add(outputs)
-                try:
-                    await self.relay(outputs)
-                finally:
-                    outputs.abort()
-                    self.forget(key, outputs)
+            try:
+                for submission in submissions:
+                    self.streams.append(await self.submit(submission, time_left))
+            finally:
+                self.sink.arrived()  # a drain waits for this (loom/server/drain.py)
+            for outputs in self.streams:
+                self.sink.when_ended(outputs.abort)
+            self.live.setdefault(key, set()).update(self.streams)
+            await self.relay()
         except ClientGoneError:
-            log.info("request %r: client stopped reading; stream reset", self.request_id)
+            log.info("request %r: client stopped reading; stream reset", request_id)
+        finally:
+            for outputs in self.streams:
+                outputs.abort()
+            self.forget(key)
 
-    def forget(self, key: tuple[str, str], outputs: RequestStream) -> None:
+    def forget(self, key: tuple[str, str]) -> None:
         streams = self.live.get(key)  # (an Abort takes them all)
         if streams is not None:
-            streams.discard(outputs)
+            streams.difference_update(self.streams)
             if not streams:
                 del self.live[key]
 
-    async def submit(
-        self, prompt: Prompt, sampling: SamplingParams, cache_salt: str, tenancy: Tenancy
-    ) -> RequestStream:
-        deadline = self.call.deadline
-        timeout = deadline.time_remaining() if deadline else None
-        args = (prompt, sampling, cache_salt, tenancy, timeout)
-        try:
-            return await self.bridge.call(self.submit_until, *args, orphan=RequestStream.abort)
-        finally:
-            self.call.arrived()  # a drain waits for this (loom/server/drain.py)
-
-    def submit_until(
-        self,
-        prompt: Prompt,
-        sampling: SamplingParams,
-        cache_salt: str,
-        tenancy: Tenancy,
-        timeout: float | None,
-    ) -> RequestStream:
-        """In the trio thread: submit, the client's gRPC deadline becoming the request's."""
-        deadline = None if timeout is None else trio.current_time() + timeout
-        return self.engine.submit(
-            prompt, sampling, deadline=deadline, cache_salt=cache_salt, tenancy=tenancy
+    async def submit(self, submission: Submission, time_left: float | None) -> RequestStream:
+        return await self.bridge.call(
+            self.submit_until, submission, time_left, orphan=RequestStream.abort
         )
 
-    async def relay(self, outputs: RequestStream) -> None:
-        outputs.wake = self.bridge.waker(self.wake)
-        while True:
-            batch = outputs.take()
-            if not batch:
+    def submit_until(self, submission: Submission, time_left: float | None) -> RequestStream:
+        """In the trio thread: submit, the client's deadline becoming the request's."""
+        deadline = None if time_left is None else trio.current_time() + time_left
+        return self.engine.submit(
+            submission.prompt,
+            submission.sampling,
+            deadline=deadline,
+            cache_salt=submission.cache_salt,
+            tenancy=submission.tenancy,
+        )
+
+    async def relay(self) -> None:
+        wake = self.bridge.waker(self.wake)
+        for outputs in self.streams:
+            outputs.wake = wake
+        pending = list(range(len(self.streams)))
+        while pending:
+            took = False
+            for index in list(pending):
+                batch = self.streams[index].take()
+                if not batch:
+                    continue
+                took = True
+                if not batch[-1].finished:
+                    await self.send(self.framing.delta(index, batch))
+                elif batch[-1].finish_reason in NORMAL_FINISHES:
+                    pending.remove(index)
+                    await self.send(self.framing.final(index, batch, done=not pending))
+                else:
+                    message, error = self.framing.abnormal(index, batch)
+                    await self.send(message)
+                    raise error
+            if not took:
                 await self.wake.wait()
                 self.wake.clear()
-            elif batch[-1].finished:
-                await self.send_final(outputs, batch)
-                return
-            else:
-                await self.send(outputs, pb.GenerateResponse(delta=wire.delta_from(batch)))
 
-    async def send_final(self, outputs: RequestStream, batch: Sequence[RequestOutput]) -> None:
-        last = batch[-1]
-        if last.finish_reason in wire.FINISH_REASONS:
-            final = wire.final_from(batch, self.request_id)
-            await self.send(outputs, pb.GenerateResponse(final=final))
-            return
-        if len(batch) > 1 or last.token_ids:
-            await self.send(outputs, pb.GenerateResponse(delta=wire.delta_from(batch)))
-        status = ABNORMAL_STATUS[last.finish_reason]  # type: ignore[index]
-        raise GRPCError(status, last.error or str(last.finish_reason))
+    def over(self) -> bool:
+        """Every choice has ended, or one has ended abnormally (the rest are aborted)."""
+        return all(s.closed for s in self.streams) or not self.normal()
 
-    async def send(self, outputs: RequestStream, message: pb.GenerateResponse) -> None:
+    def normal(self) -> bool:
+        return all(not s.closed or s.finish_reason in NORMAL_FINISHES for s in self.streams)
+
+    async def send(self, message: Any) -> None:
         """Send one message: at once when the connection takes it whole; else in a task, given
         up on (cancelled, the stream reset) once the request has ended and the client does not
         take it: after `send_timeout` for a normal finish, at once for any other end."""
-        if self.call.send_message_nowait(message):
+        if message is None or await self.sink.try_send(message):
             return
-        sending = asyncio.ensure_future(self.call.send_message(message))
+        sending = asyncio.ensure_future(self.sink.send_message(message))
         try:
-            while not outputs.closed and not sending.done():
+            while not self.over() and not sending.done():
                 waiter = asyncio.ensure_future(self.wake.wait())
                 await asyncio.wait({sending, waiter}, return_when=asyncio.FIRST_COMPLETED)
                 waiter.cancel()
                 self.wake.clear()  # new outputs stay buffered until this send is done
-            normal = outputs.finish_reason in wire.FINISH_REASONS
-            done, _ = await asyncio.wait({sending}, timeout=self.send_timeout if normal else 0.0)
+            timeout = self.send_timeout if self.normal() else 0.0
+            done, _ = await asyncio.wait({sending}, timeout=timeout)
             if not done:
                 sending.cancel()
-                await self.call.cancel()  # RST_STREAM
+                await self.sink.cancel()  # RST_STREAM, or the connection closed
                 raise ClientGoneError
             sending.result()
         finally:

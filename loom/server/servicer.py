@@ -8,17 +8,19 @@ server's gauges and its own figures only (every tenant's, to an admin).
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import Any
 
 from grpclib import GRPCError, Status
 from grpclib.server import Stream
 
+from loom.core.request_output import RequestOutput
 from loom.engine.engine import Engine
 from loom.server import wire
 from loom.server.boundary.call import Call
 from loom.server.bridge import TrioBridge
-from loom.server.relay import Live, Relay
-from loom.server.status import status_errors
+from loom.server.relay import Live, Relay, Submission
+from loom.server.status import ABNORMAL_STATUS, status_errors
 from loom.v1 import loom_pb2 as pb
 from loom.v1.loom_grpc import LoomBase
 
@@ -30,6 +32,26 @@ def call_of(stream: Any) -> Call:
     if not isinstance(stream, Call):
         raise TypeError(f"served by Loom's endpoint only, not with a {type(stream).__name__}")
     return stream
+
+
+class GrpcFraming:
+    """A Generate stream's messages (loom/server/relay.py `Framing`): Deltas, then a Final
+    that echoes the client's `request_id`, or a status."""
+
+    def __init__(self, request_id: str) -> None:
+        self.request_id = request_id
+
+    def delta(self, index: int, batch: Sequence[RequestOutput]) -> pb.GenerateResponse:
+        return pb.GenerateResponse(delta=wire.delta_from(batch))
+
+    def final(self, index: int, batch: Sequence[RequestOutput], done: bool) -> Any:
+        return pb.GenerateResponse(final=wire.final_from(batch, self.request_id))
+
+    def abnormal(self, index: int, batch: Sequence[RequestOutput]) -> tuple[Any, Exception]:
+        last = batch[-1]
+        partial = self.delta(index, batch) if len(batch) > 1 or last.token_ids else None
+        status = ABNORMAL_STATUS[last.finish_reason]  # type: ignore[index]
+        return partial, GRPCError(status, last.error or str(last.finish_reason))
 
 
 class LoomServicer(LoomBase):
@@ -48,7 +70,18 @@ class LoomServicer(LoomBase):
             call.arrived()
             self.engine.metrics.refused_by_server(exc.status.name)
             raise
-        await Relay(call, self.engine, self.bridge, self.live).run(request)
+        with status_errors():
+            request_id = wire.request_id_from(request)
+            tenant = call.tenant
+            submission = Submission(
+                prompt=wire.prompt_from(request),
+                sampling=wire.sampling_from(request.sampling),
+                cache_salt=request.cache_salt,
+                tenancy=wire.tenancy_from(request, tenant.name, tenant.weight),
+            )
+            relay = Relay(call, GrpcFraming(request_id), self.engine, self.bridge, self.live)
+            timeout = call.deadline.time_remaining() if call.deadline else None
+            await relay.run(request_id, [submission], timeout)
 
     async def GetModelInfo(self, stream: Stream[pb.GetModelInfoRequest, pb.ModelInfo]) -> None:
         await stream.recv_message()

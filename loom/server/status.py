@@ -12,6 +12,7 @@ from grpclib.exceptions import StreamTerminatedError
 
 from loom.core.errors import EngineDeadError, EngineOverloadedError, InvalidRequestError
 from loom.core.request_output import FinishReason
+from loom.server.relay import ClientGoneError
 
 log = logging.getLogger(__name__)
 
@@ -22,10 +23,6 @@ ABNORMAL_STATUS = {
     FinishReason.ERROR: Status.UNAVAILABLE,
     FinishReason.ABORTED: Status.CANCELLED,
 }
-
-
-class ClientGoneError(Exception):
-    """The client stopped reading; its stream was reset."""
 
 
 @contextmanager

@@ -2,7 +2,7 @@
 under one nursery.
 
     trio.run ── root nursery ─┬─ GrpcThread.run  (asyncio thread: the endpoint, health,
-                              │                   reflection, the metrics port)
+                              │                   reflection, the HTTP API, the metrics port)
                               ├─ run_engine      (Engine.run: admission task, stepping loop)
                               └─ watch_signals   (SIGTERM/SIGINT → Drain.run; a second → exit now)
 
@@ -45,6 +45,11 @@ class Supervisor:
     def metrics_port(self) -> int | None:
         return self.grpc.metrics_port
 
+    @property
+    def http_port(self) -> int | None:
+        """The HTTP API's port (OpenAI's), with `http_port` set."""
+        return self.grpc.http_port
+
     async def run(self, *, task_status: trio.TaskStatus[int] = trio.TASK_STATUS_IGNORED) -> None:
         async with trio.open_nursery() as nursery:
             self.port = port = await nursery.start(self.grpc.run)
@@ -53,6 +58,8 @@ class Supervisor:
             nursery.start_soon(self.watch_signals, nursery)
             await nursery.start(self.run_engine)
             log.info("serving on %s:%d", self.config.host, port)
+            if self.http_port is not None:
+                log.info("HTTP API on http://%s:%d/v1", self.config.http.http_host, self.http_port)
             task_status.started(port)
             await self.engine_done.wait()
             if self.draining:

@@ -31,20 +31,27 @@ MAX_TOKENS = 2000
 IDLE_WITHIN = 2.0
 
 
-def kill_rounds(port: int, rng: random.Random) -> float:
-    """Fork clients (grpclib and bare-h2 ones, alternately) and SIGKILL each at a random moment
-    of its first `KILL_WITHIN` seconds, a round at a time; when the last one died."""
+def kill_rounds(
+    port: int,
+    rng: random.Random,
+    kinds: tuple[str, ...] = ("grpclib", "h2"),
+    http_port: int | None = None,
+    rounds: int = ROUNDS,
+) -> float:
+    """Fork clients (of `kinds`, in turn: tests/killable.py) and SIGKILL each at a random
+    moment of its first `KILL_WITHIN` seconds, a round at a time; when the last one died."""
     command = [sys.executable, "-m", "tests.killable", HOST, str(port)]
+    command += [str(http_port)] if http_port is not None else []
     with subprocess.Popen(
         command, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True
     ) as forks:
         assert forks.stdin is not None
         assert forks.stdout is not None
         assert forks.stdout.readline() == "ready\n"
-        for _ in range(ROUNDS):
+        for _ in range(rounds):
             kills = []
             for i in range(PER_ROUND):
-                forks.stdin.write(f"{('grpclib', 'h2')[i % 2]} {MAX_TOKENS}\n")
+                forks.stdin.write(f"{kinds[i % len(kinds)]} {MAX_TOKENS}\n")
                 forks.stdin.flush()
                 pid = int(forks.stdout.readline())
                 kills.append((time.monotonic() + rng.uniform(0, KILL_WITHIN), pid))

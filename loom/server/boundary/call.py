@@ -23,7 +23,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import struct
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator
 from typing import TYPE_CHECKING, Any
 
 from google.protobuf.message import DecodeError
@@ -34,6 +34,7 @@ from multidict import MultiDict
 
 from loom.server.boundary.frames import CONTENT_TYPE
 from loom.server.boundary.inbound import Inbound
+from loom.server.relay import Ending
 
 if TYPE_CHECKING:
     from loom.server.boundary.connection import Connection
@@ -61,7 +62,7 @@ class Peer:
         return self.certificate
 
 
-class Call:
+class Call(Ending):
     def __init__(
         self,
         connection: Connection,
@@ -72,6 +73,7 @@ class Call:
         deadline: Deadline | None,
         metadata: Any,
     ) -> None:
+        super().__init__()
         self.connection = connection
         self.stream_id = stream_id
         self.path = path
@@ -86,9 +88,6 @@ class Call:
         self.num_received = 0
         self.headers_sent = False
         self.trailers_sent = False
-        self.ended: str | None = None  # why, once it has
-        self.on_end: list[Callable[[], object]] = []
-        self.on_arrival: Callable[[], object] | None = None  # the drain counts arrivals
         self.task: asyncio.Task[None] | None = None
         self.tenant: Any = None  # whose call it is (loom/server/tenants.py), named before it runs
 
@@ -99,29 +98,13 @@ class Call:
         False if it had ended already."""
         if self.ended is not None:
             return False
-        self.ended = why
         self.inbound.discard()
-        callbacks, self.on_end = self.on_end, []
-        for callback in callbacks:
-            callback()
+        self.run_end(why)
         self.inbound.readable.set()
         self.window_open.set()
         if self.task is not None and self.task is not asyncio.current_task():
             self.task.cancel()
         return True
-
-    def when_ended(self, callback: Callable[[], object]) -> None:
-        """Run `callback` when the call ends (at once, if it has)."""
-        if self.ended is not None:
-            callback()
-        else:
-            self.on_end.append(callback)
-
-    def arrived(self) -> None:
-        """The call has been handed to the engine (or refused by it): once."""
-        hook, self.on_arrival = self.on_arrival, None
-        if hook is not None:
-            hook()
 
     def check_open(self) -> None:
         if self.ended is not None:
@@ -233,6 +216,10 @@ class Call:
             self.headers_sent = True
         self.connection.out.write_data(self, data)
         return True
+
+    async def try_send(self, message: Any) -> bool:
+        """The relay's way in (loom/server/relay.py `Sink`): `send_message_nowait`."""
+        return self.send_message_nowait(message)
 
     async def send_trailing_metadata(
         self,

@@ -9,13 +9,15 @@ import ssl
 from loom.server.boundary.config import BoundaryConfig
 
 
-def server_context(config: BoundaryConfig) -> ssl.SSLContext | None:
-    """The server's TLS context, or None to serve plaintext."""
+def server_context(
+    config: BoundaryConfig, alpn: tuple[str, ...] = ("h2",)
+) -> ssl.SSLContext | None:
+    """The server's TLS context, or None to serve plaintext (the HTTP API's: ALPN http/1.1)."""
     if config.tls_cert_file is None or config.tls_key_file is None:
         return None
     context = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH)
     context.minimum_version = ssl.TLSVersion.TLSv1_2
-    context.set_alpn_protocols(["h2"])
+    context.set_alpn_protocols(list(alpn))
     try:
         context.load_cert_chain(config.tls_cert_file, config.tls_key_file)
     except (OSError, ssl.SSLError) as exc:

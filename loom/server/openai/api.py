@@ -1,0 +1,244 @@
+"""The routes of OpenAI's HTTP API (and vLLM's tokenizer routes), handled on the engine the
+gRPC front serves, through the same relay, tenants and limits.
+
+    POST /v1/chat/completions  POST /v1/completions   (streamed as SSE with "stream": true)
+    GET  /v1/models            GET  /v1/models/{id}
+    POST /tokenize             POST /detokenize
+    GET  /health               GET  /version
+
+Headers: `Authorization: Bearer KEY` (with --api-key-file), `X-Request-Id` and
+`X-Request-Timeout` (loom/server/openai/exchange.py).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import importlib.metadata
+from collections.abc import Awaitable, Callable
+from typing import Any
+
+from aiohttp import web
+
+from loom.core.fair_share import Tenancy
+from loom.core.prompt import ChatMessage, Prompt
+from loom.engine.engine import Engine, EngineState
+from loom.server.boundary.config import BoundaryConfig
+from loom.server.bridge import TrioBridge
+from loom.server.openai.config import HttpConfig
+from loom.server.openai.errors import HttpError, http_errors, invalid
+from loom.server.openai.exchange import read_json
+from loom.server.openai.front import HttpFront, error_response
+from loom.server.openai.requests import chat_ask, chat_message, completion_ask, int_list
+from loom.server.openai.responses import OpenAIFraming, StreamEndedError
+from loom.server.relay import Live, Relay
+from loom.server.tenants import HEALTH_PREFIX, Tenant, Tenants
+
+Route = Callable[[web.BaseRequest], Awaitable[web.StreamResponse]]
+
+
+class OpenAIApi:
+    def __init__(
+        self,
+        engine: Engine,
+        bridge: TrioBridge,
+        tenants: Tenants,
+        live: Live,
+        config: HttpConfig,
+        boundary: BoundaryConfig,
+    ) -> None:
+        self.engine = engine
+        self.bridge = bridge
+        self.tenants = tenants
+        self.live = live
+        self.config = config
+        self.boundary = boundary
+        self.front: HttpFront | None = None  # set by the front that routes here
+        self.routes: dict[tuple[str, str], Route] = {
+            ("POST", "/v1/chat/completions"): lambda r: self.generate(r, chat=True),
+            ("POST", "/v1/completions"): lambda r: self.generate(r, chat=False),
+            ("GET", "/v1/models"): self.models,
+            ("POST", "/tokenize"): self.tokenize,
+            ("POST", "/detokenize"): self.detokenize,
+            ("GET", "/health"): self.health,
+            ("GET", "/version"): self.version,
+        }
+
+    async def __call__(self, request: web.BaseRequest) -> web.StreamResponse:
+        route = self.routes.get((request.method, request.path))
+        if route is None and request.method == "GET" and request.path.startswith("/v1/models/"):
+            route = self.models
+        if route is None:
+            known = any(path == request.path for _, path in self.routes)
+            status, why = (405, "method not allowed") if known else (404, "no such route")
+            return error_response(HttpError(status, f"{request.method} {request.path}: {why}"))
+        try:
+            return await route(request)
+        except HttpError as exc:
+            return error_response(exc)
+
+    # Generation
+
+    async def generate(self, request: web.BaseRequest, *, chat: bool) -> web.StreamResponse:
+        assert self.front is not None
+        exchange = self.front.exchange_of(request)
+        done = self.front.counted(exchange)
+        request_id = exchange.request_id()
+        exchange.headers["X-Request-Id"] = request_id
+        try:
+            with http_errors():
+                tenant = self.identify(request)
+                body = await exchange.read_json(self.boundary)
+                ask = (chat_ask if chat else completion_ask)(body, self.config.max_choices)
+                exchange.stream = ask.stream
+                model = self.check_model(ask.model)
+                time_left = exchange.time_left()
+                tokenizer = self.tokenizer()
+                framing = OpenAIFraming(
+                    ask,
+                    chat=chat,
+                    request_id=request_id,
+                    model=model,
+                    token_text=token_text(None if ask.tokens_as_ids else tokenizer),
+                    echoes=echoes(tokenizer, ask.prompts) if ask.echo else (),
+                )
+                tenancy = Tenancy(tenant=tenant.name, weight=tenant.weight)
+                relay = Relay(exchange, framing, self.engine, self.bridge, self.live)
+                await relay.run(request_id, ask.submissions(tenancy), time_left)
+        except StreamEndedError:
+            pass  # its error event has been sent
+        except HttpError as exc:
+            if not exchange.started:
+                return error_response(exc, exchange.headers)
+            await exchange.cancel()  # mid-stream, and no event for it: the client sees a cut
+        finally:
+            done()
+        return await exchange.finish()
+
+    def identify(self, request: web.BaseRequest) -> Tenant:
+        path = HEALTH_PREFIX if request.path == "/health" else request.path
+        transport = request.transport
+        peer = transport.get_extra_info("peername") if transport else None
+        cert = transport.get_extra_info("peercert") if transport else None
+        tenant = self.tenants.identify(path, request.headers, peer, cert)
+        return tenant if tenant is not None else Tenant("")
+
+    def check_model(self, model: str | None) -> str:
+        name = self.model_name()
+        if model is not None and model != name:
+            raise HttpError(
+                404,
+                f"model {model!r} does not exist; this server serves {name!r}",
+                param="model",
+                code="model_not_found",
+            )
+        return name
+
+    def model_name(self) -> str:
+        core = self.engine.core
+        if core is None:
+            raise HttpError(503, self.engine.refusal(), code="unavailable")
+        return self.config.served_model_name or core.model_name
+
+    def tokenizer(self) -> Any:
+        core = self.engine.core
+        return core.admission.prompts.tokenizer if core is not None else None
+
+    # The other routes
+
+    async def models(self, request: web.BaseRequest) -> web.StreamResponse:
+        with http_errors():
+            self.identify(request)
+            name = self.model_name()
+            info = await self.bridge.call(self.engine.model_info)
+        card = {
+            "id": name,
+            "object": "model",
+            "created": 0,
+            "owned_by": "loom",
+            "max_model_len": info.max_model_len,
+        }
+        if request.path.startswith("/v1/models/"):
+            if request.path.removeprefix("/v1/models/") != name:
+                raise HttpError(
+                    404,
+                    f"no model {request.path.removeprefix('/v1/models/')!r}",
+                    code="model_not_found",
+                )
+            return web.json_response(card)
+        return web.json_response({"object": "list", "data": [card]})
+
+    async def tokenize(self, request: web.BaseRequest) -> web.StreamResponse:
+        with http_errors():
+            self.identify(request)
+            body = await read_json(request, self.boundary)
+            prompt = tokenize_prompt(body)
+            core = self.engine.loaded_core()
+            checker = core.admission.prompts
+            checker.check_size(prompt)
+            loop = asyncio.get_running_loop()
+            tokens = await loop.run_in_executor(None, checker.tokenize, prompt)
+        return web.json_response(
+            {"count": len(tokens), "max_model_len": checker.max_model_len, "tokens": tokens}
+        )
+
+    async def detokenize(self, request: web.BaseRequest) -> web.StreamResponse:
+        with http_errors():
+            self.identify(request)
+            body = await read_json(request, self.boundary)
+            tokens = int_list(body.get("tokens") if isinstance(body, dict) else None, "tokens")
+            checker = self.engine.loaded_core().admission.prompts
+            checker.check_size(tokens)
+            ids = checker.tokenize(tokens) if tokens else ()  # checked against the vocabulary
+            text = checker.need_tokenizer().decode(list(ids))
+        return web.json_response({"prompt": text})
+
+    async def health(self, request: web.BaseRequest) -> web.StreamResponse:
+        with http_errors():
+            self.identify(request)
+        if self.engine.state is not EngineState.SERVING:
+            raise HttpError(503, self.engine.refusal(), code="unavailable")
+        return web.Response(status=200)
+
+    async def version(self, request: web.BaseRequest) -> web.StreamResponse:
+        with http_errors():
+            self.identify(request)
+        return web.json_response({"version": importlib.metadata.version("loom")})
+
+
+def tokenize_prompt(body: Any) -> Prompt:
+    if isinstance(body, dict) and isinstance(body.get("prompt"), str):
+        return str(body["prompt"])
+    if isinstance(body, dict) and isinstance(body.get("messages"), list):
+        return [chat_message(m, i) for i, m in enumerate(body["messages"])]
+    raise invalid("tokenize takes prompt (a string) or messages", "prompt")
+
+
+def token_text(tokenizer: Any) -> Callable[[int], str]:
+    """A token's own text, for logprobs (cached: the same tokens come again and again);
+    without a tokenizer, `token_id:N`."""
+    cache: dict[int, str] = {}
+
+    def text(token_id: int) -> str:
+        found = cache.get(token_id)
+        if found is None:
+            found = (
+                tokenizer.decode([token_id]) if tokenizer is not None else f"token_id:{token_id}"
+            )
+            if len(cache) < 1 << 16:
+                cache[token_id] = found
+        return found
+
+    return text
+
+
+def echoes(tokenizer: Any, prompts: tuple[Prompt, ...]) -> list[str]:
+    """Each prompt's text, for `echo`."""
+    texts = []
+    for prompt in prompts:
+        if isinstance(prompt, str):
+            texts.append(prompt)
+        elif any(isinstance(p, ChatMessage) for p in prompt) or tokenizer is None:
+            texts.append("")
+        else:
+            texts.append(tokenizer.decode(list(prompt)))
+    return texts

@@ -1,0 +1,272 @@
+"""OpenAI request bodies read field by field into what the engine is asked (`Ask`): the types
+checked here, each error naming the field; the values' ranges are the engine's own checks
+(SamplingParams, the prompt checks), the same as for a gRPC request.
+
+Taken (chat and completions): model, max_tokens (and chat's max_completion_tokens), temperature,
+top_p, n, stop, seed, presence_penalty, frequency_penalty, logprobs (chat: top_logprobs too),
+stream, stream_options.include_usage, user; vLLM's extensions top_k, min_p, repetition_penalty,
+min_tokens, ignore_eos, stop_token_ids, cache_salt, return_tokens_as_token_ids. Chat: messages
+(system, developer, user, assistant; content a string or a list of text parts). Completions:
+prompt (a string, strings, token ids, lists of token ids), echo. Refused by name: suffix,
+best_of, logit_bias, tools, functions, response_format other than text (structured outputs
+come next), non-text parts.
+Unknown fields are ignored, as OpenAI's and vLLM's servers do.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import attrs
+
+from loom.core.fair_share import Tenancy
+from loom.core.prompt import ChatMessage, Prompt
+from loom.core.sampling_params import SamplingParams
+from loom.server.openai.errors import invalid
+from loom.server.relay import Submission
+from loom.server.wire import MAX_CHAT_MESSAGES
+
+COMPLETION_MAX_TOKENS = 16  # OpenAI's default for /v1/completions (chat's: the context)
+MAX_USER_CHARS = 256
+ROLES = {"system": "system", "developer": "system", "user": "user", "assistant": "assistant"}
+REFUSED = {
+    "suffix": "suffix (insertion) is not supported",
+    "logit_bias": "logit_bias is not supported",
+    "tools": "tools arrive with tool calls (not yet supported)",
+    "tool_choice": "tool_choice arrives with tool calls (not yet supported)",
+    "functions": "functions arrive with tool calls (not yet supported)",
+    "function_call": "function_call arrives with tool calls (not yet supported)",
+}
+
+
+@attrs.frozen(kw_only=True)
+class Ask:
+    """What one HTTP request asks of the engine: `n` choices of each prompt."""
+
+    model: str | None
+    prompts: tuple[Prompt, ...]
+    sampling: SamplingParams
+    n: int
+    stream: bool
+    include_usage: bool
+    echo: bool
+    cache_salt: str
+    tokens_as_ids: bool = False  # vLLM's return_tokens_as_token_ids: "token_id:N" in logprobs
+
+    def submissions(self, tenancy: Tenancy) -> list[Submission]:
+        """The engine requests, choice `index` = prompt number * n + i. With a seed, choice i
+        of a prompt samples with seed + i: n different sequences, each reproducible."""
+        seed = self.sampling.seed
+        return [
+            Submission(
+                prompt=prompt,
+                sampling=self.sampling
+                if seed is None or i == 0
+                else attrs.evolve(self.sampling, seed=(seed + i) % (1 << 63)),
+                cache_salt=self.cache_salt,
+                tenancy=tenancy,
+            )
+            for prompt in self.prompts
+            for i in range(self.n)
+        ]
+
+
+def chat_ask(body: Any, max_choices: int) -> Ask:
+    body = json_object(body)
+    messages = body.get("messages")
+    if not isinstance(messages, list) or not messages:
+        raise invalid("messages must be a non-empty list of messages", "messages")
+    if len(messages) > MAX_CHAT_MESSAGES:
+        raise invalid(f"messages has {len(messages)} items; the limit is {MAX_CHAT_MESSAGES}")
+    prompt = [chat_message(m, i) for i, m in enumerate(messages)]
+    response_format = body.get("response_format")
+    if response_format is not None and (
+        not isinstance(response_format, dict) or response_format.get("type") != "text"
+    ):
+        raise invalid(
+            "response_format: structured outputs are not yet supported (only type text)",
+            "response_format",
+        )
+    max_tokens = optional(body, "max_completion_tokens", int)
+    if max_tokens is None:
+        max_tokens = optional(body, "max_tokens", int)
+    top = None
+    if optional(body, "logprobs", bool):
+        top = optional(body, "top_logprobs", int) or 0
+    elif body.get("top_logprobs") is not None:
+        raise invalid("top_logprobs needs logprobs set to true", "top_logprobs")
+    return ask(body, (prompt,), max_tokens, top, max_choices, echo=False)
+
+
+def completion_ask(body: Any, max_choices: int) -> Ask:
+    body = json_object(body)
+    echo = optional(body, "echo", bool) or False
+    max_tokens = optional(body, "max_tokens", int)
+    top = optional(body, "logprobs", int)
+    if echo and top is not None:
+        raise invalid(
+            "echo with logprobs (the prompt's log-probabilities) is not yet supported", "echo"
+        )
+    prompts = completion_prompts(body.get("prompt"))
+    max_tokens = COMPLETION_MAX_TOKENS if "max_tokens" not in body else max_tokens
+    return ask(body, prompts, max_tokens, top, max_choices, echo=echo)
+
+
+def ask(
+    body: dict[str, Any],
+    prompts: tuple[Prompt, ...],
+    max_tokens: int | None,
+    logprobs: int | None,
+    max_choices: int,
+    *,
+    echo: bool,
+) -> Ask:
+    for field, why in REFUSED.items():
+        if body.get(field) not in (None, "", [], {}, "none", "auto"):
+            raise invalid(why, field)
+    if body.get("best_of") not in (None, 1):
+        raise invalid("best_of is not supported: ask for n choices", "best_of")
+    n = optional(body, "n", int) or 1
+    if not (1 <= n <= max_choices) or n * len(prompts) > max_choices:
+        raise invalid(
+            f"n: {n} choices of {len(prompts)} prompts; the limit is "
+            f"max_choices={max_choices} in all",
+            "n",
+        )
+    stream = optional(body, "stream", bool) or False
+    options = body.get("stream_options")
+    if options is not None and (not stream or not isinstance(options, dict)):
+        raise invalid("stream_options needs stream set to true", "stream_options")
+    user = optional(body, "user", str) or ""
+    if len(user) > MAX_USER_CHARS:
+        raise invalid(f"user has {len(user)} characters; the limit is {MAX_USER_CHARS}")
+    return Ask(
+        model=optional(body, "model", str),
+        prompts=prompts,
+        sampling=sampling_of(body, max_tokens, logprobs),
+        n=n,
+        stream=stream,
+        include_usage=bool(options and optional(options, "include_usage", bool)),
+        echo=echo,
+        cache_salt=optional(body, "cache_salt", str) or "",
+        tokens_as_ids=optional(body, "return_tokens_as_token_ids", bool) or False,
+    )
+
+
+SAMPLING_FLOATS = (
+    "temperature",
+    "top_p",
+    "min_p",
+    "repetition_penalty",
+    "presence_penalty",
+    "frequency_penalty",
+)
+
+
+def sampling_of(
+    body: dict[str, Any], max_tokens: int | None, logprobs: int | None
+) -> SamplingParams:
+    """The sampling fields: their types here, their ranges SamplingParams's own checks."""
+    top_k = optional(body, "top_k", int)
+    return SamplingParams(
+        **present(body, *SAMPLING_FLOATS, kind=float),
+        **present(body, "seed", "min_tokens", kind=int),
+        top_k=0 if top_k is None or top_k == -1 else top_k,  # vLLM's -1: off
+        max_tokens=max_tokens,
+        stop=stop_strings(body.get("stop")),
+        stop_token_ids=tuple(int_list(body.get("stop_token_ids") or [], "stop_token_ids")),
+        ignore_eos=optional(body, "ignore_eos", bool) or False,
+        logprobs=logprobs,
+    )
+
+
+def json_object(body: Any) -> dict[str, Any]:
+    if not isinstance(body, dict):
+        raise invalid("the request body must be a JSON object", None)
+    return body
+
+
+def optional(body: dict[str, Any], field: str, kind: type) -> Any:
+    """`body[field]` if given (null counts as not given), checked to be of `kind`."""
+    value = body.get(field)
+    if value is None:
+        return None
+    if kind is float and isinstance(value, int) and not isinstance(value, bool):
+        return float(value)
+    if not isinstance(value, kind) or (kind is not bool and isinstance(value, bool)):
+        raise invalid(f"{field} must be {KINDS[kind]}, got {type(value).__name__}", field)
+    return value
+
+
+KINDS = {int: "an integer", float: "a number", bool: "true or false", str: "a string"}
+
+
+def present(body: dict[str, Any], *fields: str, kind: type) -> dict[str, Any]:
+    return {f: v for f in fields if (v := optional(body, f, kind)) is not None}
+
+
+def stop_strings(stop: Any) -> tuple[str, ...]:
+    if stop is None:
+        return ()
+    if isinstance(stop, str):
+        return (stop,)
+    if isinstance(stop, list) and all(isinstance(s, str) for s in stop):
+        return tuple(stop)
+    raise invalid("stop must be a string or a list of strings", "stop")
+
+
+def int_list(value: Any, field: str) -> list[int]:
+    if not isinstance(value, list) or not all(
+        isinstance(t, int) and not isinstance(t, bool) for t in value
+    ):
+        raise invalid(f"{field} must be a list of integers", field)
+    return value
+
+
+def chat_message(message: Any, index: int) -> ChatMessage:
+    where = f"messages[{index}]"
+    if not isinstance(message, dict):
+        raise invalid(f"{where} must be an object with role and content", "messages")
+    role = message.get("role")
+    if role == "tool" or message.get("tool_calls"):
+        raise invalid(
+            f"{where}: tool messages arrive with tool calls (not yet supported)", "messages"
+        )
+    if role not in ROLES:
+        raise invalid(f"{where}.role must be one of {', '.join(ROLES)}, got {role!r}", "messages")
+    return ChatMessage(role=ROLES[role], content=chat_content(message.get("content"), where))
+
+
+def chat_content(content: Any, where: str) -> str:
+    if isinstance(content, str):
+        return content
+    if isinstance(content, list):
+        texts = []
+        for part in content:
+            if not (
+                isinstance(part, dict)
+                and part.get("type") == "text"
+                and isinstance(part.get("text"), str)
+            ):
+                raise invalid(f"{where}.content: only text parts are supported", "messages")
+            texts.append(part["text"])
+        return "".join(texts)
+    raise invalid(f"{where}.content must be a string or a list of text parts", "messages")
+
+
+def completion_prompts(prompt: Any) -> tuple[Prompt, ...]:
+    """A string, a list of strings, a list of token ids, or a list of such lists."""
+    if isinstance(prompt, str):
+        return (prompt,)
+    if isinstance(prompt, list) and prompt:
+        if all(isinstance(p, str) for p in prompt):
+            return tuple(prompt)
+        if all(isinstance(p, int) and not isinstance(p, bool) for p in prompt):
+            return (prompt,)
+        if all(isinstance(p, list) and p for p in prompt):
+            return tuple(int_list(p, "prompt") for p in prompt)
+    raise invalid(
+        "prompt must be a string, a list of strings, a list of token ids or a list of "
+        "non-empty lists of token ids",
+        "prompt",
+    )

@@ -1,0 +1,232 @@
+"""OpenAI's response objects, framed for the relay (loom/server/relay.py `Framing`).
+
+Streaming (`text/event-stream`): each message is one or more `data: {json}\\n\\n` events of
+chunk objects sharing one `id`, `created` and `model`. A choice's first chunk carries the role
+(chat), then content as it comes; its last content chunk carries `finish_reason`; once every
+choice has finished, a usage chunk with empty `choices` (with `stream_options.include_usage`,
+every other chunk then has `"usage": null`), then `data: [DONE]`. An end that is not a finish
+after something was sent is an `error` event, then `[DONE]`.
+
+Whole: nothing is sent until every choice has finished; then one JSON object, the same content
+assembled. Usage counts each prompt once, however many choices it has.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from collections.abc import Callable, Sequence
+from typing import Any
+
+from loom.core.request_output import Logprobs, RequestOutput
+from loom.server.openai.errors import HttpError, finish_error
+from loom.server.openai.requests import Ask
+
+DONE = b"data: [DONE]\n\n"
+FINISH = {"stop": "stop", "stop_sequence": "stop", "length": "length"}
+TokenText = Callable[[int], str]
+
+
+def event(payload: dict[str, Any]) -> bytes:
+    return b"data: " + json.dumps(payload, ensure_ascii=False).encode() + b"\n\n"
+
+
+class Choice:
+    """What one choice has produced so far (for a whole response, and its usage)."""
+
+    def __init__(self) -> None:
+        self.text: list[str] = []
+        self.logprobs: list[Logprobs] = []
+        self.num_tokens = 0
+        self.finish_reason: str | None = None
+        self.usage: Any = None
+
+    def add(self, batch: Sequence[RequestOutput], keep: bool) -> None:
+        for output in batch:
+            self.num_tokens += len(output.token_ids)
+            if keep:
+                self.text.append(output.text)
+                self.logprobs.extend(output.logprobs)
+        last = batch[-1]
+        if last.finished:
+            self.finish_reason = FINISH.get(str(last.finish_reason), str(last.finish_reason))
+            self.usage = last.usage
+
+
+class OpenAIFraming:
+    """Chat completions or completions, streamed or whole; `echoes[i]` is prompt i's text for
+    `echo`."""
+
+    def __init__(
+        self,
+        ask: Ask,
+        *,
+        chat: bool,
+        request_id: str,
+        model: str,
+        token_text: TokenText,
+        echoes: Sequence[str] = (),
+    ) -> None:
+        self.ask = ask
+        self.chat = chat
+        self.id = f"{'chatcmpl' if chat else 'cmpl'}-{request_id}"
+        self.object = "chat.completion" if chat else "text_completion"
+        self.created = int(time.time())
+        self.model = model
+        self.token_text = token_text
+        self.echoes = echoes
+        self.choices = [Choice() for _ in range(len(ask.prompts) * ask.n)]
+        self.began: set[int] = set()  # choices whose first chunk has gone
+        self.sent = False  # anything framed for the client (a stream's error comes as an event)
+
+    # The relay's calls
+
+    def delta(self, index: int, batch: Sequence[RequestOutput]) -> bytes | None:
+        self.choices[index].add(batch, keep=not self.ask.stream)
+        if not self.ask.stream:
+            return None
+        return self.chunks(index, batch, None)
+
+    def final(self, index: int, batch: Sequence[RequestOutput], done: bool) -> bytes | None:
+        choice = self.choices[index]
+        choice.add(batch, keep=not self.ask.stream)
+        if not self.ask.stream:
+            return json.dumps(self.whole(), ensure_ascii=False).encode() if done else None
+        message = self.chunks(index, batch, choice.finish_reason)
+        if done:
+            if self.ask.include_usage:
+                message += event(self.chunk([], usage=self.usage()))
+            message += DONE
+        return message
+
+    def abnormal(self, index: int, batch: Sequence[RequestOutput]) -> tuple[Any, Exception]:
+        error = finish_error(batch[-1])
+        if not self.ask.stream or not self.sent:
+            return None, error
+        partial = self.chunks(index, batch[:-1], None) if len(batch) > 1 else b""
+        return partial + event(error.body()) + DONE, StreamEndedError(error)
+
+    # Chunks
+
+    def chunks(self, index: int, batch: Sequence[RequestOutput], finish: str | None) -> bytes:
+        self.sent = True
+        text = "".join(o.text for o in batch)
+        logprobs = [lp for o in batch for lp in o.logprobs]
+        first = b""
+        if index not in self.began:
+            self.began.add(index)
+            echo = self.echo_of(index)
+            if self.chat:
+                first = event(self.chunk([self.piece(index, {"role": "assistant", "content": ""})]))
+            elif echo:
+                text = echo + text
+        piece = self.piece(index, {"content": text} if self.chat else text, finish, logprobs)
+        return first + event(self.chunk([piece]))
+
+    def chunk(self, choices: list[dict[str, Any]], usage: Any = None) -> dict[str, Any]:
+        chunk: dict[str, Any] = {
+            "id": self.id,
+            "object": f"{self.object}.chunk" if self.chat else self.object,
+            "created": self.created,
+            "model": self.model,
+            "choices": choices,
+        }
+        if self.ask.include_usage:
+            chunk["usage"] = usage
+        return chunk
+
+    def piece(
+        self,
+        index: int,
+        content: Any,
+        finish: str | None = None,
+        logprobs: Sequence[Logprobs] = (),
+    ) -> dict[str, Any]:
+        piece: dict[str, Any] = {"index": index}
+        piece["delta" if self.chat else "text"] = content
+        piece["logprobs"] = (
+            self.logprobs_of(logprobs) if self.ask.sampling.logprobs is not None else None
+        )
+        piece["finish_reason"] = finish
+        return piece
+
+    # Whole responses
+
+    def whole(self) -> dict[str, Any]:
+        choices = []
+        for index, choice in enumerate(self.choices):
+            text = self.echo_of(index) + "".join(choice.text)
+            item: dict[str, Any] = {"index": index}
+            if self.chat:
+                item["message"] = {"role": "assistant", "content": text}
+            else:
+                item["text"] = text
+            with_logprobs = self.ask.sampling.logprobs is not None
+            item["logprobs"] = self.logprobs_of(choice.logprobs) if with_logprobs else None
+            item["finish_reason"] = choice.finish_reason
+            choices.append(item)
+        return {
+            "id": self.id,
+            "object": self.object,
+            "created": self.created,
+            "model": self.model,
+            "choices": choices,
+            "usage": self.usage(),
+        }
+
+    def usage(self) -> dict[str, Any]:
+        """Each prompt once (from its first choice), every choice's completion tokens."""
+        prompt = cached = 0
+        for index in range(0, len(self.choices), self.ask.n):
+            usage = self.choices[index].usage
+            prompt += usage.prompt_tokens if usage else 0
+            cached += usage.cached_tokens if usage else 0
+        completion = sum(c.num_tokens for c in self.choices)
+        return {
+            "prompt_tokens": prompt,
+            "completion_tokens": completion,
+            "total_tokens": prompt + completion,
+            "prompt_tokens_details": {"cached_tokens": cached},
+        }
+
+    def echo_of(self, index: int) -> str:
+        return self.echoes[index // self.ask.n] if self.ask.echo and self.echoes else ""
+
+    def logprobs_of(self, logprobs: Sequence[Logprobs]) -> dict[str, Any]:
+        if self.chat:
+            return {"content": [self.chat_logprob(lp) for lp in logprobs]}
+        tokens = [self.token_text(lp.chosen.token_id) for lp in logprobs]
+        return {
+            "tokens": tokens,
+            "token_logprobs": [lp.chosen.logprob for lp in logprobs],
+            "top_logprobs": [
+                {self.token_text(t.token_id): t.logprob for t in lp.top} for lp in logprobs
+            ],
+            "text_offset": offsets(tokens),
+        }
+
+    def chat_logprob(self, logprobs: Logprobs) -> dict[str, Any]:
+        def item(token_id: int, logprob: float) -> dict[str, Any]:
+            text = self.token_text(token_id)
+            return {"token": text, "logprob": logprob, "bytes": list(text.encode())}
+
+        chosen = item(logprobs.chosen.token_id, logprobs.chosen.logprob)
+        chosen["top_logprobs"] = [item(t.token_id, t.logprob) for t in logprobs.top]
+        return chosen
+
+
+def offsets(tokens: Sequence[str]) -> list[int]:
+    """Each token's character offset in the text they make."""
+    result, at = [], 0
+    for token in tokens:
+        result.append(at)
+        at += len(token)
+    return result
+
+
+class StreamEndedError(Exception):
+    """A stream that had begun ended with an error; its error event has been sent."""
+
+    def __init__(self, error: HttpError) -> None:
+        super().__init__(error.message)
+        self.error = error

@@ -1,0 +1,50 @@
+"""Plain HTTP for the HTTP API's tests, what the `openai` client hides: status, headers and the
+body's bytes as they came (http.client, in a worker thread: the server runs in trio)."""
+
+from __future__ import annotations
+
+import http.client
+import json
+from typing import Any
+
+import trio
+from openai import OpenAI
+
+HOST = "127.0.0.1"
+
+
+def post_sync(
+    port: int, path: str, body: Any, headers: dict[str, str] | None = None, method: str = "POST"
+) -> tuple[int, dict[str, str], bytes]:
+    connection = http.client.HTTPConnection(HOST, port, timeout=60)
+    try:
+        data = body if isinstance(body, bytes) else json.dumps(body).encode()
+        all_headers = {"Content-Type": "application/json", **(headers or {})}
+        connection.request(
+            method, path, body=data if method == "POST" else None, headers=all_headers
+        )
+        response = connection.getresponse()
+        return response.status, dict(response.getheaders()), response.read()
+    finally:
+        connection.close()
+
+
+async def post(
+    port: int, path: str, body: Any, headers: dict[str, str] | None = None, method: str = "POST"
+) -> tuple[int, dict[str, str], bytes]:
+    return await trio.to_thread.run_sync(post_sync, port, path, body, headers, method)
+
+
+def events(body: bytes) -> list[Any]:
+    """An SSE body's events: each `data: {json}` parsed, `[DONE]` as the string."""
+    assert body.endswith(b"\n\n"), body[-40:]
+    parsed = []
+    for raw in body.split(b"\n\n")[:-1]:
+        assert raw.startswith(b"data: "), raw
+        data = raw.removeprefix(b"data: ")
+        parsed.append("[DONE]" if data == b"[DONE]" else json.loads(data))
+    return parsed
+
+
+def openai_client(port: int, api_key: str = "none") -> OpenAI:
+    return OpenAI(base_url=f"http://{HOST}:{port}/v1", api_key=api_key, max_retries=0, timeout=60)

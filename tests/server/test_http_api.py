@@ -1,0 +1,472 @@
+"""OpenAI's HTTP API on the engine (loom/server/openai/): the official `openai` client, raw HTTP
+for what it hides (the SSE framing byte for byte, error bodies), the greedy oracle through
+HTTP, and the same guarantees as the gRPC stream: a client gone aborts at once, a stopped
+reader is paused and then ends at the stall timeout, a drain finishes what runs.
+
+Rules: loopback only, port 0, a timeout on every I/O test; real server, real clients (the
+openai client in worker threads: the server runs in trio in this process).
+"""
+
+from __future__ import annotations
+
+import http.client
+import json
+import random
+import socket
+import time
+from concurrent.futures import ThreadPoolExecutor
+from functools import partial
+from pathlib import Path
+from typing import Any
+
+import pytest
+import trio
+
+from loom.core.config import SchedulerConfig
+from loom.engine.engine import Engine
+from loom.model.loader import LoadedModel
+from loom.model.sim import SimRunner, load_sim
+from loom.server.openai.config import HttpConfig
+from loom.server.tenants import TenantConfig
+from tests.greedy import reference_tokens
+from tests.grpc_client import in_asyncio
+from tests.http_client import HOST, events, openai_client, post
+from tests.server.test_disconnects import kill_rounds
+from tests.server.test_tenants import abort
+from tests.server_harness import serving
+
+HTTP = HttpConfig(http_port=0)
+CHAT = [{"role": "user", "content": "Name three colours."}]
+
+
+def idle(engine: Engine) -> bool:
+    stats = engine.stats()
+    return (
+        stats.num_running + stats.num_waiting + stats.num_paused == 0
+        and stats.num_free_blocks == stats.num_total_blocks
+    )
+
+
+async def until(condition: Any, seconds: float) -> float:
+    """Poll `condition()` (no event says "idle"); the seconds it took."""
+    start = time.monotonic()
+    while not condition() and time.monotonic() - start < seconds:  # noqa: ASYNC110
+        await trio.sleep(0.01)
+    return time.monotonic() - start
+
+
+async def test_http_the_openai_client_streams_and_gets_whole_chats_and_completions(
+    tiny_chat: LoadedModel,
+) -> None:
+    async with serving(tiny_chat, http=HTTP) as (server, _):
+        client = openai_client(server.http_port or 0)
+
+        def talk() -> dict[str, Any]:
+            whole = client.chat.completions.create(
+                model="tiny-llama", messages=CHAT, max_tokens=12, temperature=0
+            )
+            stream = client.chat.completions.create(
+                model="tiny-llama",
+                messages=CHAT,
+                max_tokens=12,
+                temperature=0,
+                stream=True,
+                stream_options={"include_usage": True},
+            )
+            chunks = list(stream)
+            completion = client.completions.create(
+                model="tiny-llama", prompt="Once upon", max_tokens=7, temperature=0
+            )
+            streamed = "".join(
+                c.choices[0].text
+                for c in client.completions.create(
+                    model="tiny-llama",
+                    prompt="Once upon",
+                    max_tokens=7,
+                    temperature=0,
+                    stream=True,
+                )
+            )
+            return {
+                "whole": whole,
+                "chunks": chunks,
+                "completion": completion,
+                "streamed": streamed,
+            }
+
+        with trio.fail_after(120):
+            got = await trio.to_thread.run_sync(talk)
+    whole, chunks = got["whole"], got["chunks"]
+    assert whole.object == "chat.completion"
+    assert whole.choices[0].message.role == "assistant"
+    assert whole.choices[0].finish_reason == "length"
+    assert whole.usage.completion_tokens == 12
+    assert chunks[0].choices[0].delta.role == "assistant"
+    text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+    assert text == whole.choices[0].message.content
+    assert [c.choices[0].finish_reason for c in chunks if c.choices][-1] == "length"
+    assert chunks[-1].choices == []
+    assert chunks[-1].usage.completion_tokens == 12
+    assert len({c.id for c in chunks}) == 1
+    assert got["completion"].choices[0].text == got["streamed"]
+    assert got["completion"].usage.completion_tokens == 7
+
+
+async def test_http_n_choices_share_one_prompt_and_a_seed_makes_each_reproducible(
+    tiny_chat: LoadedModel,
+) -> None:
+    async with serving(tiny_chat, http=HTTP) as (server, _):
+        client = openai_client(server.http_port or 0)
+
+        def sample(seed: int) -> Any:
+            return client.chat.completions.create(
+                model="tiny-llama",
+                messages=CHAT,
+                max_tokens=16,
+                n=3,
+                seed=seed,
+                temperature=1.0,
+                logprobs=True,
+                top_logprobs=2,
+            )
+
+        with trio.fail_after(120):
+            first, again, other = [await trio.to_thread.run_sync(sample, s) for s in (7, 7, 8)]
+            single = await trio.to_thread.run_sync(
+                lambda: client.chat.completions.create(
+                    model="tiny-llama", messages=CHAT, max_tokens=1
+                )
+            )
+    texts = [c.message.content for c in first.choices]
+    assert [c.index for c in first.choices] == [0, 1, 2]
+    assert texts == [c.message.content for c in again.choices]  # the seed reproduces each
+    assert texts != [c.message.content for c in other.choices]
+    assert len(set(texts)) == 3  # seed + i: three different sequences
+    assert first.usage.prompt_tokens == single.usage.prompt_tokens  # the prompt counted once
+    assert first.usage.completion_tokens == 48
+    for choice in first.choices:
+        assert len(choice.logprobs.content) == 16
+        assert all(len(lp.top_logprobs) == 2 and lp.logprob <= 0 for lp in choice.logprobs.content)
+
+
+async def test_http_greedy_tokens_are_transformers_generate_s(tiny: LoadedModel) -> None:
+    prompts = [[5, 9, 2, 77, 31], [400, 3], [8] * 40]
+    async with serving(tiny, http=HTTP, scheduler=SchedulerConfig(max_num_batched_tokens=16)) as (
+        server,
+        _,
+    ):
+        body = {
+            "prompt": prompts,
+            "max_tokens": 12,
+            "temperature": 0,
+            "ignore_eos": True,
+            "logprobs": 0,
+            "return_tokens_as_token_ids": True,
+        }
+        with trio.fail_after(120):
+            status, _, raw = await post(server.http_port or 0, "/v1/completions", body)
+    assert status == 200, raw
+    choices = json.loads(raw)["choices"]
+    for prompt, choice in zip(prompts, choices, strict=True):
+        tokens = [int(t.removeprefix("token_id:")) for t in choice["logprobs"]["tokens"]]
+        assert tokens == reference_tokens(tiny.model, prompt, 12)
+
+
+async def test_http_sse_framing_is_openai_s_byte_for_byte(tiny_chat: LoadedModel) -> None:
+    body = {
+        "model": "tiny-llama",
+        "messages": CHAT,
+        "max_tokens": 5,
+        "temperature": 0,
+        "stream": True,
+        "stream_options": {"include_usage": True},
+    }
+    async with serving(tiny_chat, http=HTTP) as (server, _):
+        with trio.fail_after(60):
+            status, headers, raw = await post(
+                server.http_port or 0, "/v1/chat/completions", body, {"X-Request-Id": "job-7"}
+            )
+    assert status == 200
+    assert headers["Content-Type"] == "text/event-stream; charset=utf-8"
+    assert headers["X-Request-Id"] == "job-7"
+    assert raw.endswith(b"\n\ndata: [DONE]\n\n")
+    parsed = events(raw)
+    assert parsed[-1] == "[DONE]"
+    *chunks, usage = parsed[:-1]
+    assert {c["id"] for c in parsed[:-1]} == {"chatcmpl-job-7"}
+    assert all(c["object"] == "chat.completion.chunk" for c in parsed[:-1])
+    assert chunks[0]["choices"][0]["delta"] == {"role": "assistant", "content": ""}
+    assert all(c["usage"] is None for c in chunks)
+    assert [c["choices"][0]["finish_reason"] for c in chunks] == [None] * 5 + ["length"]
+    assert usage["choices"] == []
+    assert usage["usage"]["completion_tokens"] == 5
+    assert raw.count(b"data: ") == len(parsed)  # nothing but data events
+
+
+@pytest.mark.parametrize(
+    ("body", "param"),
+    [
+        ({"messages": CHAT, "temperature": "hot"}, "temperature"),
+        ({"messages": CHAT, "temperature": 1e9}, "temperature"),
+        ({"messages": CHAT, "top_p": 0}, "top_p"),
+        ({"messages": CHAT, "n": 17}, "n"),
+        ({"messages": []}, "messages"),
+        ({"messages": [{"role": "wizard", "content": "x"}]}, "messages"),
+        ({"messages": [{"role": "user", "content": [{"type": "image_url"}]}]}, "messages"),
+        ({"messages": CHAT, "stop": [1, 2]}, "stop"),
+        ({"messages": CHAT, "max_tokens": 0}, "max_tokens"),
+        ({"messages": CHAT, "max_tokens": 100_000}, "prompt"),  # prompt + max_tokens > context
+        ({"messages": CHAT, "response_format": {"type": "json_object"}}, "response_format"),
+        ({"messages": CHAT, "tools": [{"type": "function"}]}, "tools"),
+        ({"messages": CHAT, "stream_options": {"include_usage": True}}, "stream_options"),
+        ({"messages": CHAT, "logprobs": True, "top_logprobs": 21}, "logprobs"),
+    ],
+)
+async def test_http_a_bad_value_is_a_400_naming_the_field(
+    tiny_chat: LoadedModel, body: dict[str, Any], param: str | None
+) -> None:
+    async with serving(tiny_chat, http=HTTP) as (server, _):
+        with trio.fail_after(60):
+            status, headers, raw = await post(server.http_port or 0, "/v1/chat/completions", body)
+    error = json.loads(raw)["error"]
+    assert status == 400, raw
+    assert headers["Content-Type"].startswith("application/json")
+    assert error["type"] == "invalid_request_error"
+    assert error["param"] == param
+    assert set(error) == {"message", "type", "param", "code"}
+
+
+async def test_http_routes_models_sizes_and_keys_are_refused_with_their_statuses(
+    tiny_chat: LoadedModel, tmp_path: Path
+) -> None:
+    keys = tmp_path / "keys"
+    keys.write_text("key-of-a a\n")
+    tenants = TenantConfig(api_key_file=str(keys))
+    auth = {"Authorization": "Bearer key-of-a"}
+    async with serving(tiny_chat, http=HTTP, tenants=tenants) as (server, _):
+        port = server.http_port or 0
+        with trio.fail_after(60):
+            no_key = await post(port, "/v1/chat/completions", {"messages": CHAT})
+            bad_key = await post(port, "/v1/models", None, {"Authorization": "Bearer x"}, "GET")
+            no_route = await post(port, "/v1/nothing", {}, auth)
+            wrong_method = await post(port, "/v1/completions", None, auth, "GET")
+            no_model = await post(port, "/v1/completions", {"model": "gpt-9", "prompt": "x"}, auth)
+            too_big = await post(port, "/v1/completions", b"x" * (4 << 20 | 1), auth)
+            not_json = await post(port, "/v1/completions", b"{", auth)
+            suffix = await post(port, "/v1/completions", {"prompt": "x", "suffix": "y"}, auth)
+            models = await post(port, "/v1/models", None, auth, "GET")
+            health = await post(port, "/health", None, {}, "GET")
+    assert [r[0] for r in (no_key, bad_key, no_route, wrong_method, no_model)] == [
+        401,
+        401,
+        404,
+        405,
+        404,
+    ]
+    assert json.loads(no_key[2])["error"]["type"] == "authentication_error"
+    assert json.loads(no_model[2])["error"]["code"] == "model_not_found"
+    assert too_big[0] == 413
+    assert b"max_request_bytes=4194304" in too_big[2]
+    assert not_json[0] == 400
+    assert suffix[0] == 400
+    assert json.loads(suffix[2])["error"]["param"] == "suffix"
+    assert json.loads(models[2])["data"][0]["id"] == "tiny-llama"
+    assert health[0] == 200  # open to probes without a key
+
+
+async def test_http_a_full_queue_is_429_with_retry_after_and_a_deadline_408() -> None:
+    sim = load_sim("sim:step_ms=20,seq_ms=0,token_ms=0")
+    long = {"prompt": [3, 4, 5], "max_tokens": 300, "ignore_eos": True}
+    async with serving(
+        sim,
+        make_runner=SimRunner,
+        http=HTTP,
+        scheduler=SchedulerConfig(max_num_seqs=1),
+        max_waiting_requests=1,
+    ) as (server, _):
+        port = server.http_port or 0
+        with trio.fail_after(60):
+            async with trio.open_nursery() as nursery:
+                nursery.start_soon(post, port, "/v1/completions", long)  # runs
+                await until(lambda: server.engine.stats().num_running == 1, 10)
+                nursery.start_soon(post, port, "/v1/completions", long)  # waits
+                await until(lambda: server.engine.stats().num_waiting == 1, 10)
+                full = await post(port, "/v1/completions", long)
+                late = await post(port, "/v1/completions", long, {"X-Request-Timeout": "x"})
+                nursery.cancel_scope.cancel()
+            await until(lambda: idle(server.engine), 10)
+            timed = await post(
+                port, "/v1/completions", {**long, "max_tokens": 1000}, {"X-Request-Timeout": "0.3"}
+            )
+    assert full[0] == 429
+    assert full[1]["Retry-After"] == "1"
+    assert json.loads(full[2])["error"]["type"] == "rate_limit_error"
+    assert late[0] == 400
+    assert json.loads(late[2])["error"]["param"] == "X-Request-Timeout"
+    assert timed[0] == 408, timed
+    assert json.loads(timed[2])["error"]["code"] == "deadline"
+
+
+async def test_http_a_closed_connection_aborts_its_request_at_once() -> None:
+    sim = load_sim("sim:step_ms=10,seq_ms=0,token_ms=0")
+    body = json.dumps(
+        {"prompt": [3, 4, 5], "max_tokens": 5000, "ignore_eos": True, "stream": True}
+    ).encode()
+    async with serving(sim, make_runner=SimRunner, http=HTTP) as (server, _):
+        port = server.http_port or 0
+        with trio.fail_after(60):
+            for stream in (True, False):
+                data = body if stream else body.replace(b'"stream": true', b'"stream": false')
+                sock = socket.create_connection((HOST, port))
+                sock.sendall(
+                    b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Length: %d"
+                    b"\r\n\r\n%s" % (len(data), data)
+                )
+                await until(lambda: server.engine.stats().num_running == 1, 10)
+                sock.close()
+                seconds = await until(lambda: idle(server.engine), 10)
+                assert seconds < 0.5, (stream, seconds)
+            assert "length" not in server.engine.stats().finished
+
+
+async def test_http_a_stopped_reader_is_paused_then_ended_at_the_stall_timeout() -> None:
+    sim = load_sim("sim:step_ms=1,seq_ms=0,token_ms=0")
+    body = json.dumps(
+        {
+            "prompt": [3, 4, 5],
+            "max_tokens": 8000,
+            "ignore_eos": True,
+            "stream": True,
+            "logprobs": 20,
+        }
+    ).encode()
+    async with serving(sim, make_runner=SimRunner, http=HTTP, stall_timeout=1.0) as (server, _):
+        port = server.http_port or 0
+        with trio.fail_after(60):
+            sock = socket.socket()
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
+            sock.connect((HOST, port))
+            sock.sendall(
+                b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Length: %d"
+                b"\r\n\r\n%s" % (len(body), body)
+            )
+            paused = await until(lambda: server.engine.stats().num_paused == 1, 20)
+            assert server.engine.stats().num_paused == 1, paused
+            ended = await until(lambda: idle(server.engine), 10)
+            sock.close()
+            finished = server.engine.stats().finished
+    assert finished.get("stalled") == 1, finished
+    assert ended <= 3.0
+
+
+async def test_http_killed_client_processes_leave_nothing_running_2_s_after_the_last_kill() -> None:
+    sim = load_sim("sim:step_ms=10,seq_ms=0,token_ms=0")
+    async with serving(sim, make_runner=SimRunner, http=HTTP, stall_timeout=60.0) as (server, port):
+        with trio.fail_after(120):
+            kill = partial(kill_rounds, kinds=("http",), http_port=server.http_port, rounds=4)
+            last_kill = await trio.to_thread.run_sync(kill, port, random.Random(22))
+            await until(lambda: idle(server.engine), 30)
+            seconds = time.monotonic() - last_kill
+            stats = server.engine.stats()
+    print(f"100 HTTP clients killed; idle {seconds:.2f} s after the last kill; {stats.finished}")
+    assert seconds <= 2.0, (seconds, stats)
+    assert "length" not in stats.finished
+    assert stats.finished.get("aborted", 0) >= 50  # most reached the engine
+
+
+def keep_alive_request(connection: http.client.HTTPConnection, body: bytes) -> None:
+    connection.request("POST", "/v1/completions", body=body)
+    response = connection.getresponse()
+    assert response.status == 200
+    response.read()
+    assert not response.will_close
+
+
+async def test_http_a_drain_finishes_streams_in_flight_and_refuses_new_requests() -> None:
+    sim = load_sim("sim:step_ms=5,seq_ms=0,token_ms=0")
+    body = {"prompt": [3, 4, 5], "max_tokens": 200, "ignore_eos": True, "stream": True}
+    quick = json.dumps({"prompt": [3], "max_tokens": 1}).encode()
+    async with serving(sim, make_runner=SimRunner, http=HTTP) as (server, _):
+        port = server.http_port or 0
+        with trio.fail_after(60):
+            kept = http.client.HTTPConnection(HOST, port, timeout=30)  # kept alive, then idle
+            await trio.to_thread.run_sync(keep_alive_request, kept, quick)
+            async with trio.open_nursery() as nursery:
+                results: list[Any] = []
+
+                async def stream() -> None:
+                    results.append(await post(port, "/v1/completions", body))
+
+                nursery.start_soon(stream)
+                await until(lambda: server.engine.stats().num_running == 1, 10)
+                nursery.start_soon(server.drain)
+                await until(lambda: server.drainer.phase.value == "refusing", 10)
+                with pytest.raises(ConnectionRefusedError):  # the port has closed
+                    await post(port, "/v1/completions", body)
+                assert kept.sock is not None
+                closed = await trio.to_thread.run_sync(kept.sock.recv, 1)
+                assert closed == b""  # closed by the drain
+                kept.close()
+    status, _, raw = results[0]
+    assert status == 200
+    assert events(raw)[-1] == "[DONE]"
+    last = json.loads(raw.split(b"\n\n")[-3].removeprefix(b"data: "))
+    assert last["choices"][0]["finish_reason"] == "length"
+
+
+async def test_http_a_grpc_abort_by_label_ends_the_http_request_of_its_tenant() -> None:
+    sim = load_sim("sim:step_ms=10,seq_ms=0,token_ms=0")
+    body = {"prompt": [3, 4, 5], "max_tokens": 5000, "ignore_eos": True}
+    async with serving(sim, make_runner=SimRunner, http=HTTP) as (server, port):
+        with trio.fail_after(60):
+            async with trio.open_nursery() as nursery:
+                results: list[Any] = []
+
+                async def whole() -> None:
+                    results.append(
+                        await post(
+                            server.http_port or 0,
+                            "/v1/completions",
+                            body,
+                            {"X-Request-Id": "job-1"},
+                        )
+                    )
+
+                nursery.start_soon(whole)
+                await until(lambda: server.engine.stats().num_running == 1, 10)
+                num_aborted = await in_asyncio(abort, port, ["job-1"])
+    assert num_aborted == 1
+    status, _, raw = results[0]
+    assert status == 499
+    assert json.loads(raw)["error"]["code"] == "aborted"
+
+
+async def test_http_the_openai_client_in_a_load_loop_gets_every_answer_whole(
+    tiny_chat: LoadedModel,
+) -> None:
+    async with serving(tiny_chat, http=HTTP) as (server, _):
+        client = openai_client(server.http_port or 0)
+
+        def one(i: int) -> tuple[int, str]:
+            stream = client.chat.completions.create(
+                model="tiny-llama",
+                messages=[{"role": "user", "content": f"Count to {i}."}],
+                max_tokens=20,
+                temperature=0,
+                stream=True,
+                stream_options={"include_usage": True},
+            )
+            chunks = list(stream)
+            text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+            return chunks[-1].usage.completion_tokens, text
+
+        def load() -> list[tuple[int, str]]:
+            with ThreadPoolExecutor(8) as pool:
+                return list(pool.map(one, range(32)))
+
+        with trio.fail_after(180):
+            answers = await trio.to_thread.run_sync(load)
+            alone = await trio.to_thread.run_sync(one, 5)
+            assert idle(server.engine)
+    assert [n for n, _ in answers] == [20] * 32
+    assert answers[5] == alone  # batched with 7 others, the same greedy text
