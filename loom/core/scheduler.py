@@ -23,9 +23,9 @@ token to sample from), counts them as computed and prefills only the rest; budge
 checks count only what it lacks. After each step, the blocks a step filled are cached under
 their content hashes (loom/core/prefix_cache.py).
 
-A client that stops reading holds nothing others need: a paused request does not count against
-`max_num_seqs` nor the waiting-queue limits, and when a waiting request lacks blocks, paused
-requests are preempted to make room (they recompute once their consumer reads again).
+A client that stops reading holds nothing others need: a paused request counts against neither
+`max_num_seqs` nor the queue limits, and paused requests are preempted to make room for a
+waiting one (they recompute once their consumer reads again).
 
 The step goes one way: `schedule` makes a `SchedulerOutput` (plain data), the model runner
 returns a `ModelRunnerOutput`, and `update` applies it in one pass: computed tokens, then each
@@ -98,8 +98,7 @@ class Scheduler:
         budget = self.config.max_num_batched_tokens
         chosen: list[tuple[Request, int]] = []
         if self.config.scheduling_policy == "fair":
-            seqs = self.config.max_num_seqs
-            for victim in self.fair.rebalance(self.waiting, self.running, seqs):
+            for victim in self.fair.rebalance(self.waiting, self.running, self.config.max_num_seqs):
                 self.preempt(victim)
         num_preemptions = self.num_preemptions
         for request in list(self.running):
@@ -223,8 +222,7 @@ class Scheduler:
         return sum(bm.ref_count(b) == n and b not in keep for b, n in holders.items())
 
     def scheduled(self, request: Request, num_new: int) -> ScheduledSequence:
-        start = request.num_computed_tokens
-        end = start + num_new
+        start, end = request.num_computed_tokens, request.num_computed_tokens + num_new
         samples = end == request.num_tokens
         if not samples and end < request.num_prompt_tokens:
             self.num_chunked_prefills += 1
@@ -234,6 +232,7 @@ class Scheduler:
             num_computed_tokens=start,
             block_table=self.block_manager.block_table(request.request_id),
             sampling=SamplingInput.of(request) if samples else None,
+            scoring=request.prompt_scoring(start, end),
         )
 
     def update(
@@ -247,6 +246,7 @@ class Scheduler:
             request = self.requests.get(seq.request_id)
             if request is not None:  # else finished while the step ran
                 request.num_computed_tokens += len(seq.token_ids)
+                request.prompt_logprobs += result.prompt_logprobs.get(seq.request_id, ())
                 cache_full_blocks(self.block_manager, request, seq.num_computed_tokens)
         advanced = []
         sampled = zip(result.request_ids, result.token_ids, result.logprobs, strict=True)

@@ -3,15 +3,18 @@
 Into the worker thread goes a `SchedulerOutput`: for each scheduled sequence the tokens to
 compute, where its K/V live, and, when those tokens complete the request so far, what the
 sampler needs to pick its next token. Out comes a `ModelRunnerOutput`: one sampled token (and
-its logprobs, if asked) for each sequence that samples, in step order. No live request object
+its logprobs, if asked) for each sequence that samples, in step order, and the prompt
+log-probabilities of the chunks that asked for them. No live request object
 crosses the thread; the scheduler applies the result (`Scheduler.update`).
 """
 
 from __future__ import annotations
 
+from collections.abc import Mapping
+
 import attrs
 
-from loom.core.request import Request
+from loom.core.request import PromptScoring, Request
 from loom.core.request_output import Logprobs
 from loom.core.sampling_params import SamplingParams
 
@@ -48,6 +51,7 @@ class ScheduledSequence:
     num_computed_tokens: int  # tokens already in the KV pool, before `token_ids`
     block_table: tuple[int, ...]  # blocks covering num_computed_tokens + len(token_ids)
     sampling: SamplingInput | None = None  # None: a prompt chunk with more to come samples nothing
+    scoring: PromptScoring | None = None  # the prompt's logprobs asked for, and due here
 
 
 @attrs.frozen(kw_only=True)
@@ -62,3 +66,4 @@ class ModelRunnerOutput:
     request_ids: tuple[str, ...]
     token_ids: tuple[int, ...]
     logprobs: tuple[Logprobs | None, ...]
+    prompt_logprobs: Mapping[str, tuple[Logprobs, ...]] = attrs.field(factory=dict)

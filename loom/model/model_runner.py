@@ -3,9 +3,10 @@ then sampling for the sequences that sample.
 
 `execute_model` takes the step's `SchedulerOutput` and returns a `ModelRunnerOutput`: one token
 per sampling sequence. The LM head runs only on those sequences' last positions (a prompt chunk
-with more to come needs none). The runner owns the KV pool and the sampler; it never decides
-which blocks a request holds (the BlockManager does), keeps no per-request cache, and keeps no
-per-request state between steps.
+with more to come needs none), and on every position of a chunk that scores its prompt
+(prompt_logprobs: each position's log-probability of the prompt token after it). The runner
+owns the KV pool and the sampler; it never decides which blocks a request holds (the
+BlockManager does), keeps no per-request cache, and keeps no per-request state between steps.
 """
 
 from __future__ import annotations
@@ -16,13 +17,17 @@ from functools import partial
 import torch
 
 from loom.core.config import CacheConfig
+from loom.core.request import PromptScoring
+from loom.core.request_output import Logprobs
 from loom.core.step import ModelRunnerOutput, ScheduledSequence, SchedulerOutput
 from loom.model.attention import AttentionMetadata, build_attention_metadata
 from loom.model.device import available_memory
 from loom.model.kv_cache import KVCache
 from loom.model.llama import LlamaModel
 from loom.model.loader import LoadedModel
-from loom.model.sampler import Sampler
+from loom.model.sampler import Sampler, token_logprobs
+
+SCORE_ROWS = 256  # logits rows at a time when scoring a prompt: 256 x 49,152 floats is 50 MB
 
 
 class ModelRunner:
@@ -60,18 +65,39 @@ class ModelRunner:
         if not sequences:
             raise ValueError("a step needs at least one scheduled sequence")
         hidden = self.forward(sequences)
+        ends = torch.tensor([len(seq.token_ids) for seq in sequences]).cumsum(0)
+        scored = {
+            seq.request_id: self.score(hidden[end - len(seq.token_ids) :], seq.scoring)
+            for seq, end in zip(sequences, ends.tolist(), strict=True)
+            if seq.scoring is not None
+        }
         rows = [i for i, seq in enumerate(sequences) if seq.sampling is not None]
         if not rows:
-            return ModelRunnerOutput(request_ids=(), token_ids=(), logprobs=())
-        last = torch.tensor([len(seq.token_ids) for seq in sequences]).cumsum(0) - 1
-        logits = self.model.compute_logits(hidden[last[rows].to(self.device)]).float()
+            return ModelRunnerOutput(
+                request_ids=(), token_ids=(), logprobs=(), prompt_logprobs=scored
+            )
+        logits = self.model.compute_logits(hidden[(ends - 1)[rows].to(self.device)]).float()
         inputs = [seq.sampling for seq in sequences if seq.sampling is not None]
         sampled = self.sampler.sample(logits, inputs)
         return ModelRunnerOutput(
             request_ids=tuple(sequences[i].request_id for i in rows),
             token_ids=tuple(sampled.token_ids),
             logprobs=tuple(sampled.logprobs),
+            prompt_logprobs=scored,
         )
+
+    def score(self, hidden: torch.Tensor, scoring: PromptScoring) -> tuple[Logprobs, ...]:
+        """The log-probabilities of a chunk's next prompt tokens (`hidden` starts at the
+        chunk's first row), `SCORE_ROWS` rows of logits at a time."""
+        result: list[Logprobs] = []
+        next_ids = scoring.next_token_ids
+        for at in range(0, len(next_ids), SCORE_ROWS):
+            first = scoring.first_row + at
+            rows = hidden[first : first + min(SCORE_ROWS, len(next_ids) - at)]
+            logits = self.model.compute_logits(rows).float()[:, : self.vocab_size]
+            logprobs = torch.log_softmax(logits, dim=-1)
+            result += token_logprobs(logprobs, next_ids[at : at + len(rows)], scoring.num_top)
+        return tuple(result)
 
     @torch.inference_mode()
     def logits(self, seq: ScheduledSequence) -> torch.Tensor:

@@ -138,29 +138,31 @@ def gather_logprobs(
     logprobs: torch.Tensor, token_ids: list[int], rows: Sequence[SamplingInput]
 ) -> list[Logprobs | None]:
     num_top = max(r.params.logprobs or 0 for r in rows)
+    found = token_logprobs(logprobs, token_ids, num_top)
+    return [
+        None if r.params.logprobs is None else attrs.evolve(lp, top=lp.top[: r.params.logprobs])
+        for lp, r in zip(found, rows, strict=True)
+    ]
+
+
+def token_logprobs(
+    logprobs: torch.Tensor, token_ids: Sequence[int], num_top: int
+) -> list[Logprobs]:
+    """Row i's log-probability of `token_ids[i]`, and its `num_top` most likely tokens."""
+    index = torch.tensor(list(token_ids), device=logprobs.device)[:, None]
+    chosen = logprobs.gather(1, index)[:, 0].tolist()
     top_values, top_ids = logprobs.topk(num_top, dim=-1) if num_top else (logprobs[:, :0],) * 2
-    chosen = logprobs.gather(1, torch.tensor(token_ids, device=logprobs.device)[:, None])
-    chosen_values, top_values_list, top_ids_list = (
-        chosen[:, 0].tolist(),
-        top_values.tolist(),
-        top_ids.tolist(),
-    )
-    result: list[Logprobs | None] = []
-    for i, r in enumerate(rows):
-        if r.params.logprobs is None:
-            result.append(None)
-            continue
-        n = r.params.logprobs
-        result.append(
-            Logprobs(
-                chosen=TokenLogprob(token_id=token_ids[i], logprob=chosen_values[i]),
-                top=tuple(
-                    TokenLogprob(token_id=t, logprob=v)
-                    for t, v in zip(top_ids_list[i][:n], top_values_list[i][:n], strict=True)
-                ),
-            )
+    return [
+        Logprobs(
+            chosen=TokenLogprob(token_id=token_id, logprob=value),
+            top=tuple(
+                TokenLogprob(token_id=t, logprob=v) for t, v in zip(ids, values, strict=True)
+            ),
         )
-    return result
+        for token_id, value, ids, values in zip(
+            token_ids, chosen, top_ids.tolist(), top_values.tolist(), strict=True
+        )
+    ]
 
 
 def position_seed(seed: int, position: int) -> int:

@@ -8,6 +8,7 @@ import attrs
 from loom.core.fair_share import Tenancy
 from loom.core.prefix_cache import block_hashes
 from loom.core.request import Request, RequestStatus
+from loom.core.request_output import Logprobs, TokenLogprob
 from loom.core.scheduler import Scheduler
 from tests.core.test_scheduler import make_scheduler, shape, step
 from tests.factory import make_request
@@ -174,3 +175,31 @@ def test_scheduler_preempts_no_paused_request_whose_blocks_others_hold() -> None
     assert shape(step(s)) == {"running": 1}
     assert paused.status is RequestStatus.RUNNING
     assert s.num_preemptions == 0
+
+
+def test_scheduler_a_request_scoring_its_prompt_computes_and_scores_every_position_once() -> None:
+    s = scheduler(max_num_batched_tokens=8)
+    s.add_request(request("first", PROMPT, max_tokens=1))
+    run_to_end(s)
+    scored = request("scored", PROMPT, max_tokens=1)
+    scored.sampling = attrs.evolve(scored.sampling, prompt_logprobs=2)
+    s.add_request(scored)
+    output = s.schedule(now=0.0)
+    assert output is not None
+    (seq,) = output.sequences
+    assert (seq.num_computed_tokens, len(seq.token_ids)) == (0, 8)  # the cache not taken
+    assert seq.scoring is not None
+    assert (seq.scoring.first_row, seq.scoring.next_token_ids) == (0, tuple(PROMPT[1:9]))
+    # Preempted after scoring 3 positions, it computes the prompt again and scores from 3 on.
+    scored.prompt_logprobs = [scored_logprob(t) for t in PROMPT[1:4]]
+    again = scored.prompt_scoring(0, 8)
+    assert again is not None
+    assert (again.first_row, again.next_token_ids) == (3, tuple(PROMPT[4:9]))
+    last = scored.prompt_scoring(16, 18)  # the last prompt token predicts no prompt token
+    assert last is not None
+    assert last.next_token_ids == (PROMPT[17],)
+    assert scored.prompt_scoring(17, 18) is None
+
+
+def scored_logprob(token_id: int) -> Logprobs:
+    return Logprobs(chosen=TokenLogprob(token_id=token_id, logprob=-1.0), top=())

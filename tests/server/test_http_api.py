@@ -20,6 +20,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+import torch
 import trio
 
 from loom.core.config import SchedulerConfig
@@ -470,3 +471,48 @@ async def test_http_the_openai_client_in_a_load_loop_gets_every_answer_whole(
             assert idle(server.engine)
     assert [n for n, _ in answers] == [20] * 32
     assert answers[5] == alone  # batched with 7 others, the same greedy text
+
+
+async def test_http_echo_with_logprobs_gives_the_prompt_s_own_logprobs_as_transformers(
+    tiny: LoadedModel,
+) -> None:
+    prompt = [(7 * i + 3) % 500 for i in range(40)]  # in three chunks of 16
+    body = {
+        "prompt": prompt,
+        "max_tokens": 1,
+        "temperature": 0,
+        "echo": True,
+        "logprobs": 3,
+        "return_tokens_as_token_ids": True,
+    }
+    async with serving(tiny, http=HTTP, scheduler=SchedulerConfig(max_num_batched_tokens=16)) as (
+        server,
+        _,
+    ):
+        with trio.fail_after(120):
+            first = await post(server.http_port or 0, "/v1/completions", body)
+            again = await post(server.http_port or 0, "/v1/completions", body)  # cached prefix
+            streamed = await post(
+                server.http_port or 0, "/v1/completions", {**body, "stream": True}
+            )
+    with torch.inference_mode():
+        logits = tiny.model(torch.tensor([prompt])).logits[0].float()
+    expected = torch.log_softmax(logits, dim=-1)
+    for status, _, raw in (first, again):
+        assert status == 200, raw
+        logprobs = json.loads(raw)["choices"][0]["logprobs"]
+        tokens = [int(t.removeprefix("token_id:")) for t in logprobs["tokens"]]
+        assert tokens[:40] == prompt
+        assert logprobs["token_logprobs"][0] is None
+        assert logprobs["top_logprobs"][0] is None
+        got = torch.tensor(logprobs["token_logprobs"][1:40])
+        want = expected[:-1].gather(1, torch.tensor(prompt[1:])[:, None])[:, 0]
+        torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
+        for position, top in enumerate(logprobs["top_logprobs"][1:40]):
+            _values, ids = expected[position].topk(3)
+            assert [int(t.removeprefix("token_id:")) for t in top] == ids.tolist()
+    streamed_logprobs = events(streamed[2])[0]["choices"][0]["logprobs"]
+    assert (
+        streamed_logprobs["token_logprobs"][1:40]
+        == json.loads(first[2])["choices"][0]["logprobs"]["token_logprobs"][1:40]
+    )

@@ -5,12 +5,12 @@ checked here, each error naming the field; the values' ranges are the engine's o
 Taken (chat and completions): model, max_tokens (and chat's max_completion_tokens), temperature,
 top_p, n, stop, seed, presence_penalty, frequency_penalty, logprobs (chat: top_logprobs too),
 stream, stream_options.include_usage, user; vLLM's extensions top_k, min_p, repetition_penalty,
-min_tokens, ignore_eos, stop_token_ids, cache_salt, return_tokens_as_token_ids. Chat: messages
-(system, developer, user, assistant; content a string or a list of text parts). Completions:
-prompt (a string, strings, token ids, lists of token ids), echo. Refused by name: suffix,
-best_of, logit_bias, tools, functions, response_format other than text (structured outputs
-come next), non-text parts.
-Unknown fields are ignored, as OpenAI's and vLLM's servers do.
+min_tokens, ignore_eos, stop_token_ids, cache_salt, return_tokens_as_token_ids and
+return_token_ids. Chat: messages (system, developer, user, assistant; content a string or a
+list of text parts). Completions: prompt (a string, strings, token ids, lists of token ids),
+echo (with logprobs, the prompt's own log-probabilities too). Refused by name: suffix, best_of,
+logit_bias, tools, functions, response_format other than text (structured outputs come next),
+non-text parts. Unknown fields are ignored, as OpenAI's and vLLM's servers do.
 """
 
 from __future__ import annotations
@@ -52,6 +52,7 @@ class Ask:
     echo: bool
     cache_salt: str
     tokens_as_ids: bool = False  # vLLM's return_tokens_as_token_ids: "token_id:N" in logprobs
+    token_ids: bool = False  # vLLM's return_token_ids: each choice's token ids beside its text
 
     def submissions(self, tenancy: Tenancy) -> list[Submission]:
         """The engine requests, choice `index` = prompt number * n + i. With a seed, choice i
@@ -103,10 +104,6 @@ def completion_ask(body: Any, max_choices: int) -> Ask:
     echo = optional(body, "echo", bool) or False
     max_tokens = optional(body, "max_tokens", int)
     top = optional(body, "logprobs", int)
-    if echo and top is not None:
-        raise invalid(
-            "echo with logprobs (the prompt's log-probabilities) is not yet supported", "echo"
-        )
     prompts = completion_prompts(body.get("prompt"))
     max_tokens = COMPLETION_MAX_TOKENS if "max_tokens" not in body else max_tokens
     return ask(body, prompts, max_tokens, top, max_choices, echo=echo)
@@ -143,13 +140,14 @@ def ask(
     return Ask(
         model=optional(body, "model", str),
         prompts=prompts,
-        sampling=sampling_of(body, max_tokens, logprobs),
+        sampling=sampling_of(body, max_tokens, logprobs, echo),
         n=n,
         stream=stream,
         include_usage=bool(options and optional(options, "include_usage", bool)),
         echo=echo,
         cache_salt=optional(body, "cache_salt", str) or "",
         tokens_as_ids=optional(body, "return_tokens_as_token_ids", bool) or False,
+        token_ids=optional(body, "return_token_ids", bool) or False,
     )
 
 
@@ -164,10 +162,12 @@ SAMPLING_FLOATS = (
 
 
 def sampling_of(
-    body: dict[str, Any], max_tokens: int | None, logprobs: int | None
+    body: dict[str, Any], max_tokens: int | None, logprobs: int | None, echo: bool
 ) -> SamplingParams:
-    """The sampling fields: their types here, their ranges SamplingParams's own checks."""
+    """The sampling fields: their types here, their ranges SamplingParams's own checks. With
+    `echo`, `logprobs` covers the prompt too (what lm-eval scores a continuation by)."""
     top_k = optional(body, "top_k", int)
+    prompt_logprobs = logprobs if echo else None
     return SamplingParams(
         **present(body, *SAMPLING_FLOATS, kind=float),
         **present(body, "seed", "min_tokens", kind=int),
@@ -177,6 +177,7 @@ def sampling_of(
         stop_token_ids=tuple(int_list(body.get("stop_token_ids") or [], "stop_token_ids")),
         ignore_eos=optional(body, "ignore_eos", bool) or False,
         logprobs=logprobs,
+        prompt_logprobs=prompt_logprobs,
     )
 
 

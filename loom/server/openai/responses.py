@@ -31,12 +31,17 @@ def event(payload: dict[str, Any]) -> bytes:
     return b"data: " + json.dumps(payload, ensure_ascii=False).encode() + b"\n\n"
 
 
+Prompt = tuple[tuple[int, ...], tuple[Logprobs, ...]]  # its token ids; logprobs from the 2nd
+
+
 class Choice:
     """What one choice has produced so far (for a whole response, and its usage)."""
 
     def __init__(self) -> None:
         self.text: list[str] = []
+        self.token_ids: list[int] = []
         self.logprobs: list[Logprobs] = []
+        self.prompt: Prompt | None = None  # echo with logprobs
         self.num_tokens = 0
         self.finish_reason: str | None = None
         self.usage: Any = None
@@ -44,8 +49,11 @@ class Choice:
     def add(self, batch: Sequence[RequestOutput], keep: bool) -> None:
         for output in batch:
             self.num_tokens += len(output.token_ids)
+            if output.prompt_token_ids:
+                self.prompt = (output.prompt_token_ids, output.prompt_logprobs)
             if keep:
                 self.text.append(output.text)
+                self.token_ids.extend(output.token_ids)
                 self.logprobs.extend(output.logprobs)
         last = batch[-1]
         if last.finished:
@@ -112,15 +120,20 @@ class OpenAIFraming:
         self.sent = True
         text = "".join(o.text for o in batch)
         logprobs = [lp for o in batch for lp in o.logprobs]
-        first = b""
+        first, prompt = b"", None
         if index not in self.began:
             self.began.add(index)
             echo = self.echo_of(index)
             if self.chat:
                 first = event(self.chunk([self.piece(index, {"role": "assistant", "content": ""})]))
-            elif echo:
+            elif self.ask.echo:
                 text = echo + text
-        piece = self.piece(index, {"content": text} if self.chat else text, finish, logprobs)
+                prompt = self.choices[index].prompt
+        piece = self.piece(
+            index, {"content": text} if self.chat else text, finish, logprobs, prompt
+        )
+        if self.ask.token_ids:
+            piece["token_ids"] = [t for o in batch for t in o.token_ids]
         return first + event(self.chunk([piece]))
 
     def chunk(self, choices: list[dict[str, Any]], usage: Any = None) -> dict[str, Any]:
@@ -141,12 +154,12 @@ class OpenAIFraming:
         content: Any,
         finish: str | None = None,
         logprobs: Sequence[Logprobs] = (),
+        prompt: Prompt | None = None,
     ) -> dict[str, Any]:
         piece: dict[str, Any] = {"index": index}
         piece["delta" if self.chat else "text"] = content
-        piece["logprobs"] = (
-            self.logprobs_of(logprobs) if self.ask.sampling.logprobs is not None else None
-        )
+        with_logprobs = self.ask.sampling.logprobs is not None
+        piece["logprobs"] = self.logprobs_of(logprobs, prompt) if with_logprobs else None
         piece["finish_reason"] = finish
         return piece
 
@@ -162,8 +175,11 @@ class OpenAIFraming:
             else:
                 item["text"] = text
             with_logprobs = self.ask.sampling.logprobs is not None
-            item["logprobs"] = self.logprobs_of(choice.logprobs) if with_logprobs else None
+            prompt = choice.prompt if self.ask.echo else None
+            item["logprobs"] = self.logprobs_of(choice.logprobs, prompt) if with_logprobs else None
             item["finish_reason"] = choice.finish_reason
+            if self.ask.token_ids:
+                item["token_ids"] = choice.token_ids
             choices.append(item)
         return {
             "id": self.id,
@@ -192,16 +208,29 @@ class OpenAIFraming:
     def echo_of(self, index: int) -> str:
         return self.echoes[index // self.ask.n] if self.ask.echo and self.echoes else ""
 
-    def logprobs_of(self, logprobs: Sequence[Logprobs]) -> dict[str, Any]:
+    def logprobs_of(
+        self, logprobs: Sequence[Logprobs], prompt: Prompt | None = None
+    ) -> dict[str, Any]:
+        """Chat's `content` list, or completions' parallel lists; with `prompt` (echo), the
+        prompt's tokens first, its first token's logprob null (nothing comes before it)."""
         if self.chat:
             return {"content": [self.chat_logprob(lp) for lp in logprobs]}
-        tokens = [self.token_text(lp.chosen.token_id) for lp in logprobs]
+        tokens: list[str] = []
+        values: list[float | None] = []
+        tops: list[dict[str, float] | None] = []
+        if prompt is not None and prompt[0]:
+            tokens.append(self.token_text(prompt[0][0]))
+            values.append(None)
+            tops.append(None)
+            logprobs = [*prompt[1], *logprobs]
+        for lp in logprobs:
+            tokens.append(self.token_text(lp.chosen.token_id))
+            values.append(lp.chosen.logprob)
+            tops.append({self.token_text(t.token_id): t.logprob for t in lp.top})
         return {
             "tokens": tokens,
-            "token_logprobs": [lp.chosen.logprob for lp in logprobs],
-            "top_logprobs": [
-                {self.token_text(t.token_id): t.logprob for t in lp.top} for lp in logprobs
-            ],
+            "token_logprobs": values,
+            "top_logprobs": tops,
             "text_offset": offsets(tokens),
         }
 
