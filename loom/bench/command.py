@@ -15,7 +15,7 @@ from typing import Any
 import torch
 
 from loom.bench.llama_cpp import check_llama_server, launched_llama_server
-from loom.bench.measure import measure, measure_caching_off, report
+from loom.bench.measure import Target, measure, measure_caching_off, report
 from loom.bench.metrics import Objectives
 from loom.bench.serving import launched_process
 from loom.bench.tenants import ratio_of, report_tenants, run_tenants
@@ -107,6 +107,15 @@ def add_parser(commands: Any) -> argparse.ArgumentParser:
         "requests; the light one's: the first --concurrency), on launched servers: the light "
         "one alone, both under the fair scheduler, both under FCFS (loom/bench/tenants.py)",
     )
+    add(
+        "--api",
+        default="grpc",
+        choices=APIS,
+        help="how the clients call: grpc, openai (POST /v1/completions, streamed), or both, "
+        "one after the other on the same server, side by side in the tables, with each "
+        "front's CPU time per token (default: grpc)",
+    )
+    add("--http-address", default=None, help="with --address and --api openai: HOST:PORT")
     add("--api-key", default=None, help="sent as `authorization: Bearer KEY` (--api-key-file)")
     add_tls_arguments(bench)
     add("--goodput", default="", help="latency objectives in ms, e.g. ttft=2000,tpot=200")
@@ -115,6 +124,7 @@ def add_parser(commands: Any) -> argparse.ArgumentParser:
 
 
 WORKLOADS = ("standard", "shared-prefix", "multi-turn")
+APIS = ("grpc", "openai", "both")
 
 
 def counts(flag: str, text: str) -> list[int]:
@@ -145,6 +155,8 @@ def serve_args_of(args: argparse.Namespace) -> list[str]:
     for flag in ("--max-connections", "--max-connections-per-peer"):
         if not any(arg == flag or arg.startswith(flag + "=") for arg in serve_args):
             serve_args += [flag, room]
+    if args.api != "grpc" and "--http-port" not in serve_args:
+        serve_args += ["--http-port", "0"]
     if args.model:
         serve_args += ["--model", args.model]
     if args.quantization:
@@ -153,13 +165,15 @@ def serve_args_of(args: argparse.Namespace) -> list[str]:
 
 
 @contextlib.contextmanager
-def server_address(args: argparse.Namespace) -> Iterator[tuple[str, int]]:
+def server_address(args: argparse.Namespace) -> Iterator[Target]:
     if args.address:
         host, _, port = args.address.rpartition(":")
-        yield host or "127.0.0.1", int(port)
+        http_port = int(args.http_address.rpartition(":")[2]) if args.http_address else None
+        yield Target(host=host or "127.0.0.1", port=int(port), http_port=http_port)
         return
-    with launched_process(serve_args_of(args)) as (port, _):
-        yield "127.0.0.1", port
+    ports: dict[str, int] = {}
+    with launched_process(serve_args_of(args), ports=ports) as (port, process):
+        yield Target(host="127.0.0.1", port=port, http_port=ports.get("http"), pid=process.pid)
 
 
 def run(args: argparse.Namespace) -> int:
@@ -182,6 +196,8 @@ def run(args: argparse.Namespace) -> int:
         raise ValueError("--tenants launches its servers, with Loom alone: drop --address")
     if args.compare_prefix_caching and args.address:
         raise ValueError("--compare-prefix-caching launches both servers; drop --address")
+    if args.api != "grpc" and args.address and not args.http_address:
+        raise ValueError("--api openai with --address needs --http-address HOST:PORT")
     if args.llama_server is not None:
         check_llama_server(args.llama_server, gguf_of(args))
     if is_sim(args.model):  # its prompts are random token ids
@@ -193,13 +209,12 @@ def run(args: argparse.Namespace) -> int:
         pad = loaded.tokenizer.pad_token_id or loaded.tokenizer.eos_token_id or 0
     if args.tenants:
         return run_tenants_of(args, loaded, concurrencies[0])
-    with server_address(args) as (host, port), llama_server(args, concurrencies) as llama:
+    with server_address(args) as target, llama_server(args, concurrencies) as llama:
         try:
-            results = [
-                measure(args, loaded, pad, goals, (host, port), llama, c) for c in concurrencies
-            ]
+            results = [measure(args, loaded, pad, goals, target, llama, c) for c in concurrencies]
         except ConnectionError as exc:
-            print(f"loom bench: no server answers at {host}:{port} ({exc})", file=sys.stderr)
+            where = f"{target.host}:{target.port}"
+            print(f"loom bench: no server answers at {where} ({exc})", file=sys.stderr)
             return 2
     compared = not args.compare_prefix_caching or compare_caching_off(args, loaded, goals, results)
     for result in results:
@@ -239,7 +254,8 @@ def compare_caching_off(
     with launched_process([*serve_args_of(args), "--no-enable-prefix-caching"]) as (port, _):
         try:
             for result in results:
-                measure_caching_off(args, loaded, goals, ("127.0.0.1", port), result)
+                target = Target(host="127.0.0.1", port=port)
+                measure_caching_off(args, loaded, goals, target, result)
         except ConnectionError as exc:
             print(f"loom bench: the caching-off server stopped answering ({exc})", file=sys.stderr)
             return False

@@ -8,8 +8,11 @@ import asyncio
 import sys
 from typing import Any
 
+import attrs
+
 from loom.bench.baseline import run_baseline
 from loom.bench.client import Client
+from loom.bench.fronts import Front, GrpcFront, OpenAIFront, ProcessCpu
 from loom.bench.llama_cpp import drive_llama_server
 from loom.bench.metrics import Objectives, summarize, table
 from loom.bench.serving import (
@@ -26,6 +29,27 @@ from loom.model.loader import LoadedModel
 # The warm-up's prompts: none of a measured run's (whose seeds are --seed + concurrency; Python
 # seeds a generator with an integer's absolute value, so a negative offset would not do).
 WARM_UP_SEED = 10**9
+SECOND_RUN_SEED = 10**6
+
+
+@attrs.frozen(kw_only=True)
+class Target:
+    """The server driven: its gRPC port, its HTTP API's, and its process when launched."""
+
+    host: str
+    port: int
+    http_port: int | None = None
+    pid: int | None = None
+
+    def fronts(self, args: argparse.Namespace) -> list[Front]:
+        """The fronts `--api` asks for, gRPC first."""
+        grpc = GrpcFront(host=self.host, port=self.port, client=Client.of(args))
+        if args.api == "grpc":
+            return [grpc]
+        if self.http_port is None:
+            raise ValueError("--api openai: the server has no HTTP API port")
+        openai = OpenAIFront(host=self.host, port=self.http_port, api_key=args.api_key)
+        return [openai] if args.api == "openai" else [grpc, openai]
 
 
 def measure(
@@ -33,20 +57,28 @@ def measure(
     loaded: LoadedModel,
     pad: int,
     goals: Objectives,
-    address: tuple[str, int],
+    target: Target,
     llama_port: int | None,
     concurrency: int,
 ) -> dict[str, Any]:
-    """One concurrency level: warm up, drive the server, then the baselines asked for."""
-    workload = make_workload_of(args, loaded, concurrency)
-    timings, duration, server = run_workload(args, loaded, address, workload, concurrency)
-    result: dict[str, Any] = {
-        "concurrency": concurrency,
-        "title": title_of(args, workload, server, concurrency),
-        "loom": summarize(timings, duration, goals) | {"server": server},
-    }
-    if isinstance(workload, Workload):
-        result |= baselines(args, loaded, pad, goals, workload, llama_port, concurrency)
+    """One concurrency level: warm up, drive the server (through each front asked for, one
+    after the other: "loom" is the first, "openai" the HTTP API's beside gRPC's), then the
+    baselines asked for."""
+    result: dict[str, Any] = {"concurrency": concurrency}
+    for run, (key, front) in enumerate(zip(("loom", "openai"), target.fronts(args), strict=False)):
+        workload = make_workload_of(args, loaded, concurrency, run)
+        cpu = ProcessCpu(pid=target.pid) if target.pid is not None else None
+        before = cpu.sample() if cpu is not None else (0.0, 0.0)
+        timings, duration, server = run_workload(args, loaded, target, workload, concurrency, front)
+        figures = summarize(timings, duration, goals) | {"server": server, "api": front.name}
+        if cpu is not None:
+            tokens = sum(len(t.token_times) for t in timings if t.ok)
+            figures |= cpu_per_token(cpu.sample(), before, tokens)
+        result[key] = figures
+        result.setdefault("title", title_of(args, workload, server, concurrency))
+    first = make_workload_of(args, loaded, concurrency)  # the baselines': the first run's
+    if isinstance(first, Workload):
+        result |= baselines(args, loaded, pad, goals, first, llama_port, concurrency)
     return result
 
 
@@ -54,19 +86,29 @@ def measure_caching_off(
     args: argparse.Namespace,
     loaded: LoadedModel,
     goals: Objectives,
-    address: tuple[str, int],
+    target: Target,
     result: dict[str, Any],
 ) -> None:
     """The same level's workload on the server without prefix caching, into `result`."""
     concurrency = result["concurrency"]
     workload = make_workload_of(args, loaded, concurrency)
-    timings, duration, server = run_workload(args, loaded, address, workload, concurrency)
+    front = GrpcFront(host=target.host, port=target.port, client=Client.of(args))
+    timings, duration, server = run_workload(args, loaded, target, workload, concurrency, front)
     result["caching_off"] = summarize(timings, duration, goals) | {"server": server}
 
 
 def report(result: dict[str, Any]) -> None:
     """Print one level's tables: Loom beside transformers, the caching-off server, llama.cpp."""
     print(table(result["title"], result["loom"], result.get("baseline"), "transformers"))
+    if "openai" in result:
+        grpc, http = result["loom"], result["openai"]
+        print(table("", grpc, http, "HTTP API"))
+        for label, key in (
+            ("CPU ms/token", "cpu_ms_per_token"),
+            ("front ms/token", "front_ms_per_token"),
+        ):
+            if key in grpc:
+                print(f"{label:<16}{grpc[key]:>12.3f}{http[key]:>12.3f}")
     if "caching_off" in result:
         on, off = result["loom"]["server"], result["caching_off"]["server"]
         print(table("", result["loom"], result["caching_off"], "caching off"))
@@ -79,9 +121,11 @@ def report(result: dict[str, Any]) -> None:
 
 
 def make_workload_of(
-    args: argparse.Namespace, loaded: LoadedModel, concurrency: int
+    args: argparse.Namespace, loaded: LoadedModel, concurrency: int, run: int = 0
 ) -> Workload | Conversations:
-    n, seed = args.num_prompts or concurrency, args.seed + concurrency
+    """The level's workload; `run` 1 (the second front's) is the same workload on prompts of
+    its own, so that it finds nothing the first left in the prefix cache."""
+    n, seed = args.num_prompts or concurrency, args.seed + concurrency + run * SECOND_RUN_SEED
     tokenizer, input_len, output_len = loaded.tokenizer, args.input_len, args.output_len
     if args.workload == "shared-prefix":
         return make_shared_prefix_workload(
@@ -95,19 +139,20 @@ def make_workload_of(
 def run_workload(
     args: argparse.Namespace,
     loaded: LoadedModel,
-    address: tuple[str, int],
+    target: Target,
     workload: Workload | Conversations,
     concurrency: int,
+    front: Front,
 ) -> tuple[list[Any], float, dict[str, int]]:
     """Warm the server up on prompts of its own (so that the measured prompts find nothing in
-    its prefix cache that they did not put there), then run the workload."""
-    host, port = address
+    its prefix cache that they did not put there), then run the workload through `front`."""
+    host, port = target.host, target.port
     client = Client.of(args)
     seed = WARM_UP_SEED + args.seed
     warm = make_workload(loaded.tokenizer, args.warmup, args.input_len, 8, seed)
-    warm_up(host, port, warm, client)
+    warm_up(host, port, warm, client, front)
     if isinstance(workload, Conversations):
-        return asyncio.run(drive_conversations(host, port, workload, client=client))
+        return asyncio.run(drive_conversations(host, port, workload, client=client, front=front))
     return asyncio.run(
         drive(
             host,
@@ -117,8 +162,20 @@ def run_workload(
             request_rate=args.request_rate,
             seed=args.seed,
             client=client,
+            front=front,
         )
     )
+
+
+def cpu_per_token(
+    after: tuple[float, float], before: tuple[float, float], tokens: int
+) -> dict[str, float]:
+    """The server's CPU time per output token over a run: all of it, and its front thread's."""
+    per = 1000 / max(tokens, 1)
+    return {
+        "cpu_ms_per_token": (after[0] - before[0]) * per,
+        "front_ms_per_token": (after[1] - before[1]) * per,
+    }
 
 
 def title_of(
@@ -171,7 +228,7 @@ def baselines(
     return result
 
 
-def warm_up(host: str, port: int, workload: Workload, client: Client) -> None:
+def warm_up(host: str, port: int, workload: Workload, client: Client, front: Front) -> None:
     """Unmeasured requests, one at a time, so that the measured run starts warm."""
     once = drive(
         host,
@@ -182,5 +239,6 @@ def warm_up(host: str, port: int, workload: Workload, client: Client) -> None:
         seed=0,
         progress=False,
         client=client,
+        front=front,
     )
     asyncio.run(once)

@@ -1,4 +1,5 @@
-"""`loom bench`: drive a Loom server with concurrent streaming grpclib clients on a fixed workload.
+"""`loom bench`: drive a Loom server with concurrent streaming clients (gRPC or OpenAI's HTTP API,
+loom/bench/fronts.py) on a fixed workload.
 
 The standard workload (../shared/DESIGN.md §7): prompts of exactly `input_len` tokens, distinct,
 sent as token ids; exactly `output_len` tokens generated (ignore_eos); greedy. Two more for
@@ -26,14 +27,12 @@ from contextlib import contextmanager
 from typing import Any
 
 import attrs
-from grpclib.client import Channel
 from tqdm import tqdm
 
 from loom.bench.client import PLAIN, Client
+from loom.bench.fronts import Front, GrpcFront
 from loom.bench.metrics import RequestTiming
 from loom.bench.server_watch import ServerWatch
-from loom.v1 import loom_pb2 as pb
-from loom.v1.loom_grpc import LoomStub
 
 WORDS = (
     "time year people way day man thing woman life child world school state family student "
@@ -105,38 +104,6 @@ def make_conversations(
     )
 
 
-def request_for(prompt: tuple[int, ...], output_len: int) -> pb.GenerateRequest:
-    return pb.GenerateRequest(
-        token_ids=pb.TokenIds(ids=prompt),
-        sampling=pb.SamplingParams(temperature=0, max_tokens=output_len, ignore_eos=True),
-    )
-
-
-async def one_request(
-    channel: Channel,
-    prompt: tuple[int, ...],
-    output_len: int,
-    received: list[int] | None = None,
-) -> RequestTiming:
-    """One streamed request; its token ids go into `received`, if given."""
-    start = time.perf_counter()
-    times: list[float] = []
-    try:
-        async with LoomStub(channel).Generate.open() as stream:
-            await stream.send_message(request_for(prompt, output_len), end=True)
-            async for response in stream:
-                now = time.perf_counter() - start
-                delta = response.delta if response.HasField("delta") else response.final.delta
-                times.extend([now] * len(delta.token_ids))
-                if received is not None:
-                    received.extend(delta.token_ids)
-    except Exception as exc:  # a failed request is counted, not fatal to the run
-        return RequestTiming(
-            ok=False, num_prompt_tokens=len(prompt), token_times=(), error=repr(exc)
-        )
-    return RequestTiming(ok=True, num_prompt_tokens=len(prompt), token_times=tuple(times))
-
-
 async def drive(
     host: str,
     port: int,
@@ -147,10 +114,13 @@ async def drive(
     seed: int,
     progress: bool = True,
     client: Client = PLAIN,
+    front: Front | None = None,
 ) -> tuple[list[RequestTiming], float, dict[str, int]]:
-    """Run the workload; returns the timings, the wall time and what the server's stats showed."""
-    channels = [client.channel(host, port) for _ in range(concurrency)]
-    free = asyncio.Queue[Channel]()
+    """Run the workload through `front` (gRPC at `host:port`, by default); returns the
+    timings, the wall time and what the server's stats showed."""
+    through: Front = front or GrpcFront(host=host, port=port, client=client)
+    channels = [through.open() for _ in range(concurrency)]
+    free = asyncio.Queue[Any]()
     for channel in channels:
         free.put_nowait(channel)
     rng = random.Random(seed)
@@ -163,9 +133,9 @@ async def drive(
     server = await ServerWatch.started(host, port, client)
     watcher = asyncio.create_task(server.watch())
 
-    async def run_one(prompt: tuple[int, ...], channel: Channel) -> RequestTiming:
+    async def run_one(prompt: tuple[int, ...], channel: Any) -> RequestTiming:
         try:
-            return await one_request(channel, prompt, workload.output_len)
+            return await through.request(channel, prompt, workload.output_len, None)
         finally:
             free.put_nowait(channel)
             bar.update()
@@ -182,7 +152,7 @@ async def drive(
     watcher.cancel()
     bar.close()
     for channel in channels:
-        channel.close()
+        await through.close(channel)
     return timings, duration, await server.summary()
 
 
@@ -193,8 +163,10 @@ async def drive_conversations(
     *,
     progress: bool = True,
     client: Client = PLAIN,
+    front: Front | None = None,
 ) -> tuple[list[RequestTiming], float, dict[str, int]]:
-    """Every conversation at once, each on its own channel, its turns one after another."""
+    """Every conversation at once, each on its own connection, its turns one after another."""
+    through: Front = front or GrpcFront(host=host, port=port, client=client)
     bar = tqdm(
         total=conversations.num_requests,
         disable=not progress,
@@ -207,14 +179,17 @@ async def drive_conversations(
 
     async def talk(turns: tuple[tuple[int, ...], ...]) -> None:
         history: list[int] = []
-        async with client.channel(host, port) as channel:
+        channel = through.open()
+        try:
             for user in turns:
                 history += user
                 reply: list[int] = []
-                timing = await one_request(channel, tuple(history), conversations.output_len, reply)
-                timings.append(timing)
+                output_len = conversations.output_len
+                timings.append(await through.request(channel, tuple(history), output_len, reply))
                 history += reply
                 bar.update()
+        finally:
+            await through.close(channel)
 
     start = time.perf_counter()
     await asyncio.gather(*(talk(turns) for turns in conversations.turns))
@@ -229,10 +204,12 @@ def launched_process(
     serve_args: list[str],
     module: str = "loom",
     preexec_fn: Callable[[], object] | None = None,
+    ports: dict[str, int] | None = None,
 ) -> Iterator[tuple[int, subprocess.Popen[str]]]:
     """`python -m MODULE serve --port 0 ...` in a child process (`preexec_fn` runs in it
     first); yields its port, once it serves, and the process (stopped with SIGTERM on the way
-    out, unless it has exited)."""
+    out, unless it has exited). With `--http-port` among the flags, `ports["http"]` is the
+    HTTP API's."""
     # Its port comes from its INFO line "serving on HOST:PORT": the log level stays info.
     command = [sys.executable, "-m", module, "serve", "--port", "0", *serve_args]
     command += ["--log-level", "info"]
@@ -244,6 +221,9 @@ def launched_process(
         for line in process.stderr:
             if match := re.search(r"serving on [\w.:\[\]]+:(\d+)", line):
                 port = int(match.group(1))
+            if match := re.search(r"HTTP API on http://[\w.:\[\]]+:(\d+)", line):
+                (ports if ports is not None else {})["http"] = int(match.group(1))
+            if port is not None and ("--http-port" not in serve_args or match):
                 break
         if port is None:
             raise RuntimeError(f"loom serve exited with {process.wait()} before serving")

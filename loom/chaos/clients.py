@@ -60,13 +60,34 @@ asyncio.run(main())
 """
 
 
+KILLED_HTTP_CLIENT = """
+import json, socket, sys, time
+host, port, n, key = sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), sys.argv[4]
+body = json.dumps({"prompt": [3, 4], "max_tokens": n, "temperature": 0, "ignore_eos": True,
+                   "stream": True}).encode()
+auth = f"Authorization: Bearer {key}\\r\\n" if key else ""
+sock = socket.create_connection((host, port))
+sock.sendall((f"POST /v1/completions HTTP/1.1\\r\\nHost: {host}\\r\\n{auth}"
+              f"Content-Length: {len(body)}\\r\\n\\r\\n").encode() + body)
+seen = b""
+while b"data: {" not in seen:
+    seen += sock.recv(65536)
+print("token", flush=True)
+while sock.recv(65536):
+    time.sleep(0.05)
+"""
+
+
 @attrs.frozen(kw_only=True)
 class Target:
-    """The server under test: its address and what GetModelInfo said of it."""
+    """The server under test: its address and what GetModelInfo said of it; with `api`
+    "openai", its clients call the HTTP API at `http_port` (loom/chaos/http_clients.py)."""
 
     host: str
     port: int
     info: pb.ModelInfo
+    api: str = "grpc"
+    http_port: int | None = None
     client: Client = PLAIN  # TLS, and the API key every call carries
     # For client processes: the API key ("": none), then the TLS files (CA, certificate, key).
     client_args: tuple[str, ...] = ()
@@ -155,8 +176,13 @@ def reset(channel: Channel) -> None:
 
 async def kill_clients(target: Target, count: int, max_tokens: int) -> int:
     """Client processes SIGKILLed once each has read a token: how many died so."""
-    args = [target.host, str(target.port), str(max_tokens), *target.client_args]
-    command = [sys.executable, "-c", KILLED_CLIENT, *args]
+    if target.api == "openai":
+        key = target.client_args[0] if target.client_args else ""
+        args = [target.host, str(target.http_port), str(max_tokens), key]
+        command = [sys.executable, "-c", KILLED_HTTP_CLIENT, *args]
+    else:
+        args = [target.host, str(target.port), str(max_tokens), *target.client_args]
+        command = [sys.executable, "-c", KILLED_CLIENT, *args]
     processes = [
         await asyncio.create_subprocess_exec(*command, stdout=subprocess.PIPE) for _ in range(count)
     ]

@@ -89,6 +89,14 @@ def add_parser(commands: Any) -> argparse.ArgumentParser:
     add("--probe-timeout", type=float, default=30.0, help="the probe's deadline (default: 30)")
     add("--seed", type=int, default=0, help="(default: 0)")
     add("--json", action="store_true", help="print the results as JSON on stdout")
+    add(
+        "--api",
+        default="grpc",
+        choices=("grpc", "openai"),
+        help="how the clients call: grpc, or openai (POST /v1/completions, streamed, over "
+        "HTTP/1.1; the bare-HTTP/2 scenarios do not apply) (default: grpc)",
+    )
+    add("--http-address", default=None, help="with --address and --api openai: HOST:PORT")
     add("--api-key", default=None, help="sent as `authorization: Bearer KEY` (--api-key-file)")
     add_tls_arguments(chaos)
     return chaos
@@ -99,14 +107,24 @@ HOSTILE = ("rapid-reset", "control-flood", "slowloris", "header-fragments")  # b
 
 def settings_of(args: argparse.Namespace) -> tuple[list[str], sc.Settings, Limits]:
     tls = tls_of(args) is not None
+    bare = tls or args.api == "openai"  # no bare HTTP/2 to attack
     if args.scenarios is None:
         names = [name for name in SCENARIOS if name != "drain" or args.serve is not None]
-        names = [name for name in names if not (tls and name in HOSTILE)]
+        names = [name for name in names if not (bare and name in HOSTILE)]
     else:
         names = [name.strip() for name in args.scenarios.split(",") if name.strip()]
     unknown = [name for name in names if name not in SCENARIOS]
     if unknown or not names:
         raise ValueError(f"--scenarios: unknown {unknown}; choose from {', '.join(SCENARIOS)}")
+    if args.api == "openai" and set(names) & set(HOSTILE):
+        raise ValueError(
+            f"--scenarios: {', '.join(sorted(set(names) & set(HOSTILE)))} attack the gRPC "
+            "port's HTTP/2: run them with --api grpc"
+        )
+    if args.api == "openai" and args.address and not args.http_address:
+        raise ValueError("--api openai with --address needs --http-address HOST:PORT")
+    if tls and args.api == "openai":
+        raise ValueError("--api openai: the chaos clients speak plaintext HTTP")
     if tls and set(names) & set(HOSTILE):
         raise ValueError(
             f"--scenarios: {', '.join(sorted(set(names) & set(HOSTILE)))} speak bare HTTP/2 in "
@@ -142,7 +160,7 @@ def settings_of(args: argparse.Namespace) -> tuple[list[str], sc.Settings, Limit
 
 def run(args: argparse.Namespace) -> int:
     names, settings, limits = settings_of(args)
-    with server(args) as (host, port, process):
+    with server(args) as (host, port, http_port, process):
         client = Client.of(args)
         try:
             info = asyncio.run(model_info(host, port, client))
@@ -151,22 +169,47 @@ def run(args: argparse.Namespace) -> int:
             return 2
         files = (args.tls_ca_file or "", args.tls_cert_file or "", args.tls_key_file or "")
         client_args = (args.api_key or "", *(files if client.tls else ()))
-        target = Target(host=host, port=port, info=info, client=client, client_args=client_args)
+        target = Target(
+            host=host,
+            port=port,
+            info=info,
+            client=client,
+            client_args=client_args,
+            api=args.api,
+            http_port=http_port,
+        )
         results = asyncio.run(chaos(target, names, settings, limits, process))
     report(target, results, as_json=args.json)
     return 1 if any(r.problems for r in results) else 0
 
 
 @contextmanager
-def server(args: argparse.Namespace) -> Iterator[tuple[str, int, subprocess.Popen[str] | None]]:
+def server(
+    args: argparse.Namespace,
+) -> Iterator[tuple[str, int, int | None, subprocess.Popen[str] | None]]:
+    """The server's host, gRPC port, HTTP API port (with --api openai) and process (when
+    launched). A launched server for --api openai gets an HTTP port, and connection caps
+    that hold an HTTP/1.1 connection per stream of the overload burst."""
     if args.serve is None:
-        host, _, port = args.address.rpartition(":")
-        if not host or not port.isdigit():
-            raise ValueError(f"--address must be HOST:PORT, got {args.address!r}")
-        yield host, int(port), None
+        host, port = address("--address", args.address)
+        http_port = address("--http-address", args.http_address)[1] if args.http_address else None
+        yield host, port, http_port, None
         return
-    with launched_process(shlex.split(args.serve)) as (port, process):
-        yield "127.0.0.1", port, process
+    serve_args, ports = shlex.split(args.serve), dict[str, int]()
+    if args.api == "openai":
+        serve_args += ["--http-port", "0"]
+        for flag in ("--max-connections", "--max-connections-per-peer"):
+            if not any(arg.startswith(flag) for arg in serve_args):
+                serve_args += [flag, "4096"]
+    with launched_process(serve_args, ports=ports) as (port, process):
+        yield "127.0.0.1", port, ports.get("http"), process
+
+
+def address(flag: str, text: str) -> tuple[str, int]:
+    host, _, port = text.rpartition(":")
+    if not host or not port.isdigit():
+        raise ValueError(f"{flag} must be HOST:PORT, got {text!r}")
+    return host, int(port)
 
 
 async def chaos(

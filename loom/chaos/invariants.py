@@ -14,7 +14,7 @@ from typing import Any
 
 import attrs
 
-from loom.bench.serving import one_request
+from loom.bench.fronts import one_request
 from loom.chaos.clients import Target, health, stats_until
 from loom.chaos.scenarios import PROBE, PROBE_TOKENS
 

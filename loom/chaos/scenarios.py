@@ -21,8 +21,8 @@ from typing import Any
 
 import attrs
 
+from loom.bench.fronts import one_request
 from loom.bench.metrics import RequestTiming
-from loom.bench.serving import one_request
 from loom.chaos.clients import (
     Behaviour,
     Target,
@@ -31,6 +31,7 @@ from loom.chaos.clients import (
     stats_until,
     stream_once,
 )
+from loom.chaos.http_clients import http_stream_once
 
 DEADLINES = (0.001, 0.003, 0.01, 0.03, 0.1, 0.3, 1.0, 3.0, 60.0)  # the last one is ample
 PROBE = (1, 2, 3)  # the well-behaved request: greedy, 16 tokens, EOS ignored
@@ -91,7 +92,7 @@ class Run:
 
         async def one(message: Any, behaviour: Behaviour) -> None:
             async with slots:
-                result.outcomes[await stream_once(self.target, message, behaviour)] += 1
+                result.outcomes[await call(self.target, message, behaviour)] += 1
                 self.on_client()
 
         result.clients += len(calls)
@@ -104,6 +105,13 @@ class Run:
         during = await well_behaved(self.target)
         await task
         result.figures.update(cost(self.baseline, during))
+
+
+async def call(target: Target, message: Any, behaviour: Behaviour) -> str:
+    """One client's call through the target's front, behaving as told: its outcome."""
+    if target.api == "openai":
+        return await http_stream_once(target, message, behaviour)
+    return await stream_once(target, message, behaviour)
 
 
 async def well_behaved(target: Target) -> RequestTiming:
@@ -170,7 +178,8 @@ async def slow_readers(run: Run) -> Result:
 async def stopped_readers(run: Run) -> Result:
     """Readers that stop (for `stop_for` s, small windows), then read on. Past the server's
     stall_timeout it ends them: RESOURCE_EXHAUSTED, or, when its send to the full window is
-    what it gives up, a reset stream (StreamTerminatedError)."""
+    what it gives up, a reset stream (StreamTerminatedError; over HTTP, the connection
+    closed)."""
     rng, result = random.Random(run.settings.seed + 3), Result("stopped-readers")
     behaviour = Behaviour(leave="stop", stop_for=run.settings.stop_for)
     tokens = min(run.settings.stop_tokens, run.target.info.max_model_len - 24)
@@ -180,7 +189,7 @@ async def stopped_readers(run: Run) -> Result:
         message.sampling.logprobs = 20
         calls.append((message, attrs.evolve(behaviour, after=rng.randint(0, 2))))
     await run.beside(result, run.crowd(result, calls))
-    result.expect({"ok", "RESOURCE_EXHAUSTED", "StreamTerminatedError"})
+    result.expect({"ok", "RESOURCE_EXHAUSTED", "StreamTerminatedError", "closed by the server"})
     return result
 
 
@@ -216,7 +225,7 @@ async def drain(run: Run) -> Result:
     await stats_until(run.target, lambda stats: stats.num_running, 60)
     run.server.send_signal(signal.SIGTERM)
     await asyncio.sleep(0.2)
-    late = await stream_once(run.target, run.message(rng), Behaviour(timeout=10))
+    late = await call(run.target, run.message(rng), Behaviour(timeout=10))
     await crowd
     result.expect({"ok"})
     # Not served: the port closed, UNAVAILABLE, or (a call sent just as the drain began) ended

@@ -86,6 +86,27 @@ def test_bench_drives_the_simulated_model_with_many_streams(tmp_path: Path) -> N
     assert run["loom"]["output_tokens"] == 300 * 8
 
 
+@pytest.mark.parametrize("workload", ["standard", "multi-turn"])
+def test_bench_drives_both_fronts_with_the_same_workload_and_their_cpu_per_token(
+    workload: str, tiny_folder: Path, tmp_path: Path
+) -> None:
+    out = tmp_path / "bench.json"
+    command = [sys.executable, "-m", "loom", "bench", "--model", str(tiny_folder), "--api", "both"]
+    command += ["--workload", workload, "--concurrency", "3", "--turns", "2"]
+    command += ["--input-len", "8", "--output-len", "8", "--json", str(out)]
+    result = subprocess.run(command, capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0, result.stderr[-2000:]
+    assert "HTTP API" in result.stdout
+    (run,) = json.loads(out.read_text())["runs"]
+    grpc, http = run["loom"], run["openai"]
+    assert (grpc["api"], http["api"]) == ("grpc", "openai")
+    requests = 6 if workload == "multi-turn" else 3
+    assert grpc["completed"] == http["completed"] == requests
+    assert grpc["output_tokens"] == http["output_tokens"] == requests * 8  # each token counted
+    assert grpc["cpu_ms_per_token"] > 0
+    assert http["cpu_ms_per_token"] > 0
+
+
 @pytest.mark.parametrize("workload", ["shared-prefix", "multi-turn"])
 def test_bench_prefix_workloads_compare_caching_on_and_off(
     workload: str, tiny_folder: Path, tmp_path: Path
@@ -124,6 +145,7 @@ def test_bench_prefix_workloads_compare_caching_on_and_off(
             "--baseline and --llama-server run the standard workload only",
         ),
         (["--compare-prefix-caching"], "--compare-prefix-caching launches both servers"),
+        (["--api", "openai"], "--api openai with --address needs --http-address HOST:PORT"),
         (["--llama-server", "/no/llama-server"], "--llama-server: no such file: /no/llama-server"),
         (
             ["--llama-server", sys.executable, "--model", "some/folder"],

@@ -30,11 +30,11 @@ def chaos(*args: str) -> tuple[int, dict]:  # type: ignore[type-arg]
     return result.returncode, json.loads(result.stdout)
 
 
-def test_chaos_passes_a_healthy_server_in_every_scenario() -> None:
-    serve = f"{SIM} --stall-timeout 0.5 --preface-timeout 1 --header-timeout 1"
-    code, report = chaos("--serve", serve, "--stop-for", "3", "--hold-wait", "5")
+def passed(code: int, report: dict, names: list[str]) -> dict:  # type: ignore[type-arg]
+    """The report's scenarios by name, after checking that these ran and all passed, and what
+    the kill, cancel and stopped-reader scenarios saw (40 clients, stall timeout 0.5 s)."""
     by_name = {s["name"]: s for s in report["scenarios"]}
-    assert list(by_name) == list(SCENARIOS)
+    assert list(by_name) == names
     problems = {name: s["problems"] for name, s in by_name.items() if s["problems"]}
     assert not problems, json.dumps(problems)
     assert (code, report["ok"]) == (0, True)
@@ -43,6 +43,13 @@ def test_chaos_passes_a_healthy_server_in_every_scenario() -> None:
     stopped = by_name["stopped-readers"]["outcomes"]
     assert sum(stopped.values()) == 10
     assert "ok" not in stopped  # all ended by the stall timer
+    return by_name
+
+
+def test_chaos_passes_a_healthy_server_in_every_scenario() -> None:
+    serve = f"{SIM} --stall-timeout 0.5 --preface-timeout 1 --header-timeout 1"
+    code, report = chaos("--serve", serve, "--stop-for", "3", "--hold-wait", "5")
+    by_name = passed(code, report, list(SCENARIOS))
     overload = by_name["overload"]["figures"]
     (fillers, burst, refused, admitted) = overload.values()
     assert (fillers, burst) == (64, 768)  # 3x the queue of 256
@@ -56,6 +63,17 @@ def test_chaos_passes_a_healthy_server_in_every_scenario() -> None:
     assert flood["ping: GOAWAY ENHANCE_YOUR_CALM"] == flood["settings: GOAWAY ENHANCE_YOUR_CALM"]
     assert by_name["slowloris"]["outcomes"] == {"closed by the server": 50}
     assert by_name["header-fragments"]["outcomes"] == {"closed by the server": 51}
+
+
+def test_chaos_over_the_http_api_passes_every_scenario_that_applies() -> None:
+    serve = f"{SIM} --stall-timeout 0.5"
+    code, report = chaos("--api", "openai", "--serve", serve, "--stop-for", "3")
+    by_name = passed(code, report, [name for name in SCENARIOS if name not in HOSTILE])
+    (fillers, burst, refused, admitted) = by_name["overload"]["figures"].values()
+    assert (fillers, burst) == (64, 768)
+    assert 512 - admitted <= refused <= 512  # 429s, exactly the excess unless a filler paused
+    assert by_name["deadlines"]["outcomes"]["DEADLINE_EXCEEDED"] >= 1  # 408s
+    assert by_name["drain"]["outcomes"] == {"ok": 10}
 
 
 def test_chaos_against_an_address_runs_every_scenario_but_drain() -> None:

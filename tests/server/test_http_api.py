@@ -27,6 +27,7 @@ from loom.core.config import SchedulerConfig
 from loom.engine.engine import Engine
 from loom.model.loader import LoadedModel
 from loom.model.sim import SimRunner, load_sim
+from loom.server.boundary.config import BoundaryConfig
 from loom.server.openai.config import HttpConfig
 from loom.server.tenants import TenantConfig
 from tests.greedy import reference_tokens
@@ -516,3 +517,25 @@ async def test_http_echo_with_logprobs_gives_the_prompt_s_own_logprobs_as_transf
         streamed_logprobs["token_logprobs"][1:40]
         == json.loads(first[2])["choices"][0]["logprobs"]["token_logprobs"][1:40]
     )
+
+
+async def test_http_a_head_that_never_ends_and_connections_over_the_cap_are_closed(
+    tiny_chat: LoadedModel,
+) -> None:
+    boundary = BoundaryConfig(header_timeout=0.5, max_connections_per_peer=3)
+    async with serving(tiny_chat, http=HTTP, boundary=boundary) as (server, _):
+        port = server.http_port or 0
+        with trio.fail_after(30):
+            slow = socket.create_connection((HOST, port))
+            slow.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\n")  # and no more
+            start = time.monotonic()
+            assert await trio.to_thread.run_sync(slow.recv, 1) == b""  # closed by the server
+            waited = time.monotonic() - start
+            held = [socket.create_connection((HOST, port)) for _ in range(3)]
+            over = socket.create_connection((HOST, port))  # the fourth from this address
+            reply = await trio.to_thread.run_sync(over.recv, 4096)
+            for sock in (slow, over, *held):
+                sock.close()
+    assert 0.3 <= waited <= 5, waited
+    assert reply.startswith(b"HTTP/1.1 503")
+    assert b"max_connections_per_peer=3" in reply

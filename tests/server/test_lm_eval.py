@@ -9,6 +9,7 @@ Rules: loopback only, port 0; lm-eval's client in a worker thread (the server ru
 
 from __future__ import annotations
 
+import pytest
 import torch
 import trio
 from lm_eval.api.instance import Instance
@@ -64,6 +65,7 @@ def reference(loaded: LoadedModel) -> list[float]:
     return scores
 
 
+@pytest.mark.smollm2
 async def test_lm_eval_local_completions_scores_a_task_as_transformers_does(
     smollm2: LoadedModel,
 ) -> None:

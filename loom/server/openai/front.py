@@ -3,10 +3,12 @@ server with Loom's connection caps, counts and drain.
 
 Connections: over `max_connections` HTTP connections in all, or `max_connections_per_peer` from
 one address, a connection is answered 503 and closed at once (counted as a refusal); each
-connection's write buffer is capped at `write_buffer_bytes`; an idle keep-alive connection is
-closed after `idle_timeout`. TLS, when the gRPC port has it, is the same certificate with ALPN
-http/1.1. Every connection counts in the endpoint's `num_connections`, every generation request
-in its `arriving` and `num_in_flight`: the drain (loom/server/drain.py) waits on both fronts.
+connection's write buffers (its own and the kernel's) are capped at `write_buffer_bytes`; a
+new connection whose first request's head has not come whole within `header_timeout` is
+closed (slowloris; counted), an idle keep-alive connection after `idle_timeout`. TLS, when the
+gRPC port has it, is the same certificate with ALPN http/1.1. Every connection counts in the
+endpoint's `num_connections`, every generation request in its `arriving` and `num_in_flight`:
+the drain (loom/server/drain.py) waits on both fronts.
 
 A drain, here: ANNOUNCED stops listening, and every response from then on says
 `Connection: close` (idle keep-alive connections are closed; a request already sent is still
@@ -16,7 +18,9 @@ served); REFUSING answers new requests 503; requests in flight run to their end.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
+import socket
 import ssl
 from collections import Counter
 from collections.abc import Awaitable, Callable
@@ -71,6 +75,7 @@ class HttpFront:
         self.hosts: dict[RequestHandler, str] = {}
         self.per_peer: Counter[str] = Counter()
         self.exchanges: dict[RequestHandler, Exchange] = {}  # the request each is serving
+        self.heads_due: dict[RequestHandler, asyncio.TimerHandle] = {}  # no request yet
         self.phase = DrainPhase.SERVING
         self.server: asyncio.Server | None = None
         self.connections = Connections(
@@ -98,7 +103,7 @@ class HttpFront:
 
     def connected(self, handler: RequestHandler, transport: asyncio.Transport) -> None:
         host = peer_host(transport.get_extra_info("peername"))
-        transport.set_write_buffer_limits(high=self.config.write_buffer_bytes)
+        limit_buffers(transport, self.config.write_buffer_bytes)
         over = self.over_cap(host)
         self.hosts[handler] = host
         self.per_peer[host] += 1
@@ -115,6 +120,16 @@ class HttpFront:
             transport.close()
         elif self.phase is not DrainPhase.SERVING:
             handler.close()
+        else:
+            loop = asyncio.get_running_loop()
+            due = loop.call_later(self.config.header_timeout, self.head_late, handler)
+            self.heads_due[handler] = due
+
+    def head_late(self, handler: RequestHandler) -> None:
+        """No request head came whole in time: the connection is closed."""
+        if self.heads_due.pop(handler, None) is not None:
+            self.on_refused("header_timeout")
+            handler.force_close()
 
     def over_cap(self, host: str) -> tuple[str, str] | None:
         if len(self.hosts) >= self.config.max_connections:
@@ -130,6 +145,8 @@ class HttpFront:
         return None
 
     def disconnected(self, handler: RequestHandler) -> None:
+        if (due := self.heads_due.pop(handler, None)) is not None:
+            due.cancel()
         exchange = self.exchanges.pop(handler, None)
         if exchange is not None:
             exchange.lost()  # before aiohttp cancels the handler: the engine request ends now
@@ -144,6 +161,8 @@ class HttpFront:
 
     async def serve(self, request: web.BaseRequest) -> web.StreamResponse:
         protocol: Any = request.protocol
+        if (due := self.heads_due.pop(protocol, None)) is not None:
+            due.cancel()
         if self.phase in (DrainPhase.REFUSING, DrainPhase.CLOSED):
             self.on_refused("draining")
             response = error_response(HttpError(503, "the server is draining", code="draining"))
@@ -191,6 +210,18 @@ class HttpFront:
         for handler in self.connections.connections:
             handler.force_close()
         await asyncio.sleep(0)
+
+
+def limit_buffers(transport: asyncio.Transport, size: int) -> None:
+    """At most `size` bytes wait in the connection's write buffer before a send waits, and
+    about as many in the kernel's: HTTP/1.1 has no window, and a socket's send buffer,
+    tuned by the kernel, grows to megabytes (tcp_wmem), which a reader that stopped would
+    otherwise be sent before its sequence ever pauses."""
+    transport.set_write_buffer_limits(high=size)
+    sock = transport.get_extra_info("socket")
+    if sock is not None:
+        with contextlib.suppress(OSError):
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, size)
 
 
 def error_response(error: HttpError, headers: dict[str, str] | None = None) -> web.Response:

@@ -1,0 +1,174 @@
+"""The two ways `loom bench` reaches a server (`--api grpc|openai|both`): one streamed request
+on a connection of its own per concurrent client, the same workload either way.
+
+- gRPC: a grpclib channel per client; each Delta's token ids, timed as they arrive.
+- openai: an aiohttp session holding one connection per client; POST /v1/completions with
+  the prompt's token ids, `stream`, `ignore_eos` and vLLM's `return_token_ids` (so that each
+  chunk's tokens are counted, not guessed from its text), each SSE chunk timed as it arrives.
+
+`ProcessCpu` reads a launched server's CPU time from /proc: all of it, and its asyncio thread's
+alone (the one at nice 19: both fronts' HTTP/2 and HTTP work), so that each front's cost per
+token compares in one run.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+from pathlib import Path
+from typing import Any, Protocol
+
+import aiohttp
+import attrs
+from grpclib.client import Channel
+
+from loom.bench.client import Client
+from loom.bench.metrics import RequestTiming
+from loom.v1 import loom_pb2 as pb
+from loom.v1.loom_grpc import LoomStub
+
+FRONT_THREAD_NICE = 19  # loom/server/grpc_thread.py: LOWEST_PRIORITY
+
+
+class Front(Protocol):
+    @property
+    def name(self) -> str: ...
+
+    def open(self) -> Any: ...  # a client's connection
+    async def close(self, connection: Any) -> None: ...
+    async def request(
+        self, connection: Any, prompt: tuple[int, ...], output_len: int, received: list[int] | None
+    ) -> RequestTiming: ...
+
+
+def request_for(prompt: tuple[int, ...], output_len: int) -> pb.GenerateRequest:
+    return pb.GenerateRequest(
+        token_ids=pb.TokenIds(ids=prompt),
+        sampling=pb.SamplingParams(temperature=0, max_tokens=output_len, ignore_eos=True),
+    )
+
+
+async def one_request(
+    channel: Channel,
+    prompt: tuple[int, ...],
+    output_len: int,
+    received: list[int] | None = None,
+) -> RequestTiming:
+    """One streamed request; its token ids go into `received`, if given."""
+    start = time.perf_counter()
+    times: list[float] = []
+    try:
+        async with LoomStub(channel).Generate.open() as stream:
+            await stream.send_message(request_for(prompt, output_len), end=True)
+            async for response in stream:
+                now = time.perf_counter() - start
+                delta = response.delta if response.HasField("delta") else response.final.delta
+                times.extend([now] * len(delta.token_ids))
+                if received is not None:
+                    received.extend(delta.token_ids)
+    except Exception as exc:  # a failed request is counted, not fatal to the run
+        return RequestTiming(
+            ok=False, num_prompt_tokens=len(prompt), token_times=(), error=repr(exc)
+        )
+    return RequestTiming(ok=True, num_prompt_tokens=len(prompt), token_times=tuple(times))
+
+
+@attrs.frozen(kw_only=True)
+class GrpcFront:
+    host: str
+    port: int
+    client: Client
+    name: str = "grpc"
+
+    def open(self) -> Channel:
+        return self.client.channel(self.host, self.port)
+
+    async def close(self, connection: Channel) -> None:
+        connection.close()
+
+    async def request(
+        self,
+        connection: Channel,
+        prompt: tuple[int, ...],
+        output_len: int,
+        received: list[int] | None,
+    ) -> RequestTiming:
+        return await one_request(connection, prompt, output_len, received)
+
+
+@attrs.frozen(kw_only=True)
+class OpenAIFront:
+    host: str
+    port: int
+    api_key: str | None = None
+    name: str = "openai"
+
+    def open(self) -> aiohttp.ClientSession:
+        headers = {"Authorization": f"Bearer {self.api_key}"} if self.api_key else {}
+        connector = aiohttp.TCPConnector(limit=1)  # one connection, as a channel is
+        timeout = aiohttp.ClientTimeout(total=3600)
+        return aiohttp.ClientSession(connector=connector, headers=headers, timeout=timeout)
+
+    async def close(self, connection: aiohttp.ClientSession) -> None:
+        await connection.close()
+
+    async def request(
+        self,
+        connection: aiohttp.ClientSession,
+        prompt: tuple[int, ...],
+        output_len: int,
+        received: list[int] | None,
+    ) -> RequestTiming:
+        body = {
+            "prompt": list(prompt),
+            "max_tokens": output_len,
+            "temperature": 0,
+            "ignore_eos": True,
+            "stream": True,
+            "return_token_ids": True,
+        }
+        url = f"http://{self.host}:{self.port}/v1/completions"
+        start = time.perf_counter()
+        times: list[float] = []
+        try:
+            async with connection.post(url, json=body) as response:
+                if response.status != 200:
+                    raise RuntimeError(f"HTTP {response.status}: {(await response.read())[:200]!r}")
+                async for line in response.content:
+                    if not line.startswith(b"data: {"):
+                        continue
+                    now = time.perf_counter() - start
+                    chunk = json.loads(line[6:])
+                    if "error" in chunk:
+                        raise RuntimeError(f"error event: {chunk['error']}")
+                    token_ids = chunk["choices"][0]["token_ids"] if chunk["choices"] else []
+                    times.extend([now] * len(token_ids))
+                    if received is not None:
+                        received.extend(token_ids)
+        except Exception as exc:  # a failed request is counted, not fatal to the run
+            return RequestTiming(
+                ok=False, num_prompt_tokens=len(prompt), token_times=(), error=repr(exc)
+            )
+        return RequestTiming(ok=True, num_prompt_tokens=len(prompt), token_times=tuple(times))
+
+
+@attrs.frozen(kw_only=True)
+class ProcessCpu:
+    """CPU seconds of a process (user + system), all threads and its front thread's."""
+
+    pid: int
+
+    def sample(self) -> tuple[float, float]:
+        total = front = 0.0
+        tick = os.sysconf("SC_CLK_TCK")
+        for task in Path(f"/proc/{self.pid}/task").iterdir():
+            try:
+                fields = (task / "stat").read_text().rsplit(")", 1)[1].split()
+            except OSError:  # a thread that ended meanwhile
+                continue
+            seconds = (int(fields[11]) + int(fields[12])) / tick
+            total += seconds
+            if int(fields[16]) == FRONT_THREAD_NICE:
+                front += seconds
+        return total, front
