@@ -105,7 +105,8 @@ def add_parser(commands: Any) -> argparse.ArgumentParser:
 HOSTILE = ("rapid-reset", "control-flood", "slowloris", "header-fragments")  # bare HTTP/2
 
 
-def settings_of(args: argparse.Namespace) -> tuple[list[str], sc.Settings, Limits]:
+def scenario_names(args: argparse.Namespace) -> list[str]:
+    """The scenarios to run: those asked for, or every one that applies; refused by name."""
     tls = tls_of(args) is not None
     bare = tls or args.api == "openai"  # no bare HTTP/2 to attack
     if args.scenarios is None:
@@ -116,23 +117,25 @@ def settings_of(args: argparse.Namespace) -> tuple[list[str], sc.Settings, Limit
     unknown = [name for name in names if name not in SCENARIOS]
     if unknown or not names:
         raise ValueError(f"--scenarios: unknown {unknown}; choose from {', '.join(SCENARIOS)}")
-    if args.api == "openai" and set(names) & set(HOSTILE):
-        raise ValueError(
-            f"--scenarios: {', '.join(sorted(set(names) & set(HOSTILE)))} attack the gRPC "
-            "port's HTTP/2: run them with --api grpc"
-        )
+    hostile = ", ".join(sorted(set(names) & set(HOSTILE)))
+    if args.api == "openai" and hostile:
+        raise ValueError(f"--scenarios: {hostile} attack the gRPC port's HTTP/2: use --api grpc")
     if args.api == "openai" and args.address and not args.http_address:
         raise ValueError("--api openai with --address needs --http-address HOST:PORT")
     if tls and args.api == "openai":
         raise ValueError("--api openai: the chaos clients speak plaintext HTTP")
-    if tls and set(names) & set(HOSTILE):
+    if tls and hostile:
         raise ValueError(
-            f"--scenarios: {', '.join(sorted(set(names) & set(HOSTILE)))} speak bare HTTP/2 in "
-            "plaintext (a socket read and written from two threads, which TLS cannot share): "
-            "run them against a plaintext port"
+            f"--scenarios: {hostile} speak bare HTTP/2 in plaintext (a socket read and written "
+            "from two threads, which TLS cannot share): run them against a plaintext port"
         )
     if "drain" in names and args.serve is None:
         raise ValueError("--scenarios: drain needs a server chaos launches itself (--serve)")
+    return names
+
+
+def settings_of(args: argparse.Namespace) -> tuple[list[str], sc.Settings, Limits]:
+    names = scenario_names(args)
     for flag, value, minimum in [
         ("--clients", args.clients, 1),
         ("--concurrency", args.concurrency, 1),
