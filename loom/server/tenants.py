@@ -155,8 +155,12 @@ def by_key(keys: dict[bytes, tuple[bytes, Tenant]], authorization: str | None) -
         raise GRPCError(
             Status.UNAUTHENTICATED, "an API key is required: `authorization: Bearer KEY`"
         )
-    found = keys.get(hashlib.sha256(key.strip().encode()).digest())
-    if found is None or not hmac.compare_digest(found[0], key.strip().encode()):
+    try:
+        presented = key.strip().encode()
+    except UnicodeEncodeError:  # not text (an HTTP header's stray bytes): no key is
+        presented = b""
+    found = keys.get(hashlib.sha256(presented).digest())
+    if found is None or not presented or not hmac.compare_digest(found[0], presented):
         raise GRPCError(Status.UNAUTHENTICATED, "the API key is not valid")
     return found[1]
 

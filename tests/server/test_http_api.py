@@ -539,3 +539,90 @@ async def test_http_a_head_that_never_ends_and_connections_over_the_cap_are_clos
     assert 0.3 <= waited <= 5, waited
     assert reply.startswith(b"HTTP/1.1 503")
     assert b"max_connections_per_peer=3" in reply
+
+
+@pytest.mark.parametrize(
+    ("body", "param"),
+    [
+        (b'{"prompt": "hi", "temperature": 1' + b"1" * 400 + b"}", "temperature"),
+        (b"[" * 50_000 + b"]" * 50_000, None),
+        (b'{"prompt": "\\ud800abc"}', None),  # a lone surrogate
+        (b'{"prompt": "hi", "n": 0}', "n"),
+        (b"", None),
+        (b"null", None),
+    ],
+)
+async def test_http_hostile_bodies_are_400s_not_500s(
+    tiny_chat: LoadedModel, body: bytes, param: str | None
+) -> None:
+    async with serving(tiny_chat, http=HTTP) as (server, _):
+        with trio.fail_after(60):
+            status, _, raw = await post(server.http_port or 0, "/v1/completions", body)
+            tokenize = await post(server.http_port or 0, "/tokenize", body)
+    assert status == 400, raw
+    assert json.loads(raw)["error"]["param"] == param
+    if param is None:  # (tokenize reads no sampling field)
+        assert tokenize[0] == 400, tokenize
+
+
+async def test_http_refused_headers_leave_the_drain_counts_at_zero(
+    tiny_chat: LoadedModel, tmp_path: Path
+) -> None:
+    keys = tmp_path / "keys"
+    keys.write_text("key-of-a a\n")
+    tenants = TenantConfig(api_key_file=str(keys))
+    body = json.dumps({"prompt": "hi", "max_tokens": 1}).encode()
+    async with serving(tiny_chat, http=HTTP, tenants=tenants) as (server, _):
+        port = server.http_port or 0
+        with trio.fail_after(60):
+            long_id = await post(port, "/v1/completions", body, {"X-Request-Id": "a" * 200})
+            replies = []
+            for header in (b"X-Request-Id: ab\xffcd", b"Authorization: Bearer key-of-a\xff"):
+                sock = socket.create_connection((HOST, port))
+                sock.sendall(
+                    b"POST /v1/completions HTTP/1.1\r\nHost: x\r\n%s\r\n"
+                    b"Authorization: Bearer key-of-a\r\nContent-Length: %d\r\n\r\n%s"
+                    % (header, len(body), body)
+                    if b"Request" in header
+                    else b"POST /v1/completions HTTP/1.1\r\nHost: x\r\n%s\r\n"
+                    b"Content-Length: %d\r\n\r\n%s" % (header, len(body), body)
+                )
+                replies.append(await trio.to_thread.run_sync(sock.recv, 4096))
+                sock.close()
+            counts = server.grpc.endpoint
+            assert counts is not None
+            await until(lambda: counts.num_in_flight.value + counts.arriving.value == 0, 5)
+            in_flight = (counts.num_in_flight.value, counts.arriving.value)
+    assert long_id[0] == 400
+    assert replies[0].startswith(b"HTTP/1.1 400"), replies[0]
+    assert replies[1].startswith(b"HTTP/1.1 401"), replies[1]
+    assert in_flight == (0, 0)  # else every later drain waits out its timeout
+
+
+async def test_http_a_whole_response_holds_at_most_so_many_logprobs(tiny_chat: LoadedModel) -> None:
+    too_many = {"prompt": [3, 4], "max_tokens": 8000, "n": 16, "logprobs": 20}
+    async with serving(tiny_chat, http=HTTP) as (server, _):
+        with trio.fail_after(60):
+            status, _, raw = await post(server.http_port or 0, "/v1/completions", too_many)
+            streamed = await post(
+                server.http_port or 0,
+                "/v1/completions",
+                {"prompt": [3, 4], "max_tokens": 6, "logprobs": 1, "stream": True},
+            )
+            chat = await post(
+                server.http_port or 0,
+                "/v1/chat/completions",
+                {"messages": CHAT, "max_tokens": 3, "logprobs": True, "stream": True},
+            )
+    assert status == 400
+    assert json.loads(raw)["error"]["param"] == "logprobs"
+    # Streamed, each chunk's text_offset goes on from the last's.
+    chunks = [e["choices"][0]["logprobs"] for e in events(streamed[2]) if e != "[DONE]"]
+    offsets = [o for lp in chunks for o in lp["text_offset"]]
+    lengths = [len(t) for lp in chunks for t in lp["tokens"]]
+    assert offsets == [sum(lengths[:i]) for i in range(len(lengths))]
+    role, *content = [e for e in events(chat[2]) if e != "[DONE]"]
+    assert role["choices"][0]["logprobs"] is None  # as OpenAI's role chunk
+    for chunk in content:
+        for item in chunk["choices"][0]["logprobs"]["content"]:
+            assert isinstance(item["bytes"], list)

@@ -30,6 +30,7 @@ from loom.server.openai.exchange import read_json
 from loom.server.openai.front import HttpFront, error_response
 from loom.server.openai.requests import chat_ask, chat_message, completion_ask, int_list
 from loom.server.openai.responses import OpenAIFraming, StreamEndedError
+from loom.server.openai.tokens import TokenTexts
 from loom.server.relay import Live, Relay
 from loom.server.tenants import HEALTH_PREFIX, Tenant, Tenants
 
@@ -82,10 +83,10 @@ class OpenAIApi:
         assert self.front is not None
         exchange = self.front.exchange_of(request)
         done = self.front.counted(exchange)
-        request_id = exchange.request_id()
-        exchange.headers["X-Request-Id"] = request_id
         try:
             with http_errors():
+                request_id = exchange.request_id()
+                exchange.headers["X-Request-Id"] = request_id
                 tenant = self.identify(request)
                 body = await exchange.read_json(self.boundary)
                 ask = (chat_ask if chat else completion_ask)(body, self.config.max_choices)
@@ -98,7 +99,7 @@ class OpenAIApi:
                     chat=chat,
                     request_id=request_id,
                     model=model,
-                    token_text=token_text(None if ask.tokens_as_ids else tokenizer),
+                    tokens=TokenTexts(tokenizer, as_ids=ask.tokens_as_ids),
                     echoes=echoes(tokenizer, ask.prompts) if ask.echo else (),
                 )
                 tenancy = Tenancy(tenant=tenant.name, weight=tenant.weight)
@@ -211,24 +212,6 @@ def tokenize_prompt(body: Any) -> Prompt:
     if isinstance(body, dict) and isinstance(body.get("messages"), list):
         return [chat_message(m, i) for i, m in enumerate(body["messages"])]
     raise invalid("tokenize takes prompt (a string) or messages", "prompt")
-
-
-def token_text(tokenizer: Any) -> Callable[[int], str]:
-    """A token's own text, for logprobs (cached: the same tokens come again and again);
-    without a tokenizer, `token_id:N`."""
-    cache: dict[int, str] = {}
-
-    def text(token_id: int) -> str:
-        found = cache.get(token_id)
-        if found is None:
-            found = (
-                tokenizer.decode([token_id]) if tokenizer is not None else f"token_id:{token_id}"
-            )
-            if len(cache) < 1 << 16:
-                cache[token_id] = found
-        return found
-
-    return text
 
 
 def echoes(tokenizer: Any, prompts: tuple[Prompt, ...]) -> list[str]:

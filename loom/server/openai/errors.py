@@ -75,9 +75,13 @@ class HttpError(Exception):
         return {"Retry-After": str(RETRY_AFTER_S)} if self.status == 429 else {}
 
 
-def invalid(message: str, param: str | None = None) -> HttpError:
-    """A bad value: `param` names the field (by default, the message's first word)."""
-    if param is None:
+FROM_MESSAGE = "(the message's first word)"
+
+
+def invalid(message: str, param: str | None = FROM_MESSAGE) -> HttpError:
+    """A bad value: `param` names the field (by default, the message's first word, when it
+    is a field's name); None: no one field."""
+    if param is FROM_MESSAGE:
         first = message.split(" ", 1)[0].rstrip(":")
         param = first if FIELD.fullmatch(first) else None
     return HttpError(400, message, param=param, code="invalid_value")

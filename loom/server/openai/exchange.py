@@ -61,6 +61,8 @@ class Exchange(Ending):
                 f"X-Request-Id has {len(label)} characters; the limit is {MAX_REQUEST_ID_CHARS}",
                 "X-Request-Id",
             )
+        if not (label.isascii() and label.isprintable()):
+            raise invalid("X-Request-Id must be printable ASCII", "X-Request-Id")
         return label or uuid.uuid4().hex
 
     def time_left(self) -> float | None:
@@ -161,6 +163,15 @@ async def read_json(request: web.BaseRequest, boundary: BoundaryConfig) -> Any:
             code="request_timeout",
         ) from None
     try:
-        return json.loads(body)
+        parsed = json.loads(body)
     except (ValueError, UnicodeDecodeError) as exc:
         raise invalid(f"the body is not valid JSON: {exc}", None) from None
+    except RecursionError:
+        raise invalid("the body nests too deeply", None) from None
+    try:  # a lone surrogate (an escape such as \ud800) is JSON, but no text a tokenizer takes
+        json.dumps(parsed, ensure_ascii=False).encode()
+    except UnicodeEncodeError:
+        raise invalid("the body holds a lone surrogate: not valid Unicode text", None) from None
+    except RecursionError:
+        raise invalid("the body nests too deeply", None) from None
+    return parsed

@@ -123,7 +123,8 @@ def ask(
             raise invalid(why, field)
     if body.get("best_of") not in (None, 1):
         raise invalid("best_of is not supported: ask for n choices", "best_of")
-    n = optional(body, "n", int) or 1
+    n = optional(body, "n", int)
+    n = 1 if n is None else n
     if not (1 <= n <= max_choices) or n * len(prompts) > max_choices:
         raise invalid(
             f"n: {n} choices of {len(prompts)} prompts; the limit is "
@@ -193,7 +194,10 @@ def optional(body: dict[str, Any], field: str, kind: type) -> Any:
     if value is None:
         return None
     if kind is float and isinstance(value, int) and not isinstance(value, bool):
-        return float(value)
+        try:
+            return float(value)
+        except OverflowError:
+            raise invalid(f"{field} is beyond any float's range", field) from None
     if not isinstance(value, kind) or (kind is not bool and isinstance(value, bool)):
         raise invalid(f"{field} must be {KINDS[kind]}, got {type(value).__name__}", field)
     return value

@@ -15,16 +15,19 @@ from __future__ import annotations
 
 import json
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from typing import Any
 
 from loom.core.request_output import Logprobs, RequestOutput
-from loom.server.openai.errors import HttpError, finish_error
+from loom.server.openai.errors import HttpError, finish_error, invalid
 from loom.server.openai.requests import Ask
+from loom.server.openai.tokens import TokenTexts
 
 DONE = b"data: [DONE]\n\n"
+# Log-probabilities a whole response may hold (tokens x (top + 1), prompt's included): it is
+# built and serialised at once, on the loop both fronts share (1.7 MB of JSON, ~60 ms).
+MAX_WHOLE_LOGPROBS = 1 << 17
 FINISH = {"stop": "stop", "stop_sequence": "stop", "length": "length"}
-TokenText = Callable[[int], str]
 
 
 def event(payload: dict[str, Any]) -> bytes:
@@ -42,23 +45,29 @@ class Choice:
         self.token_ids: list[int] = []
         self.logprobs: list[Logprobs] = []
         self.prompt: Prompt | None = None  # echo with logprobs
+        self.offset = 0  # characters of its tokens' texts streamed so far (text_offset)
         self.num_tokens = 0
         self.finish_reason: str | None = None
         self.usage: Any = None
 
-    def add(self, batch: Sequence[RequestOutput], keep: bool) -> None:
+    def add(self, batch: Sequence[RequestOutput], keep: bool) -> int:
+        """Take a batch in; the log-probabilities it kept (tokens x (top + 1))."""
+        kept = 0
         for output in batch:
             self.num_tokens += len(output.token_ids)
             if output.prompt_token_ids:
                 self.prompt = (output.prompt_token_ids, output.prompt_logprobs)
+                kept += sum(1 + len(lp.top) for lp in output.prompt_logprobs) * keep
             if keep:
                 self.text.append(output.text)
                 self.token_ids.extend(output.token_ids)
                 self.logprobs.extend(output.logprobs)
+                kept += sum(1 + len(lp.top) for lp in output.logprobs)
         last = batch[-1]
         if last.finished:
             self.finish_reason = FINISH.get(str(last.finish_reason), str(last.finish_reason))
             self.usage = last.usage
+        return kept
 
 
 class OpenAIFraming:
@@ -72,7 +81,7 @@ class OpenAIFraming:
         chat: bool,
         request_id: str,
         model: str,
-        token_text: TokenText,
+        tokens: TokenTexts,
         echoes: Sequence[str] = (),
     ) -> None:
         self.ask = ask
@@ -81,23 +90,27 @@ class OpenAIFraming:
         self.object = "chat.completion" if chat else "text_completion"
         self.created = int(time.time())
         self.model = model
-        self.token_text = token_text
+        self.tokens = tokens
         self.echoes = echoes
         self.choices = [Choice() for _ in range(len(ask.prompts) * ask.n)]
         self.began: set[int] = set()  # choices whose first chunk has gone
+        self.kept = 0  # log-probabilities held for a whole response
+        top, max_tokens = ask.sampling.logprobs, ask.sampling.max_tokens
+        if not ask.stream and top is not None and max_tokens is not None:
+            self.keep(len(self.choices) * max_tokens * (top + 1))
         self.sent = False  # anything framed for the client (a stream's error comes as an event)
 
     # The relay's calls
 
     def delta(self, index: int, batch: Sequence[RequestOutput]) -> bytes | None:
-        self.choices[index].add(batch, keep=not self.ask.stream)
+        self.keep(self.choices[index].add(batch, keep=not self.ask.stream))
         if not self.ask.stream:
             return None
         return self.chunks(index, batch, None)
 
     def final(self, index: int, batch: Sequence[RequestOutput], done: bool) -> bytes | None:
         choice = self.choices[index]
-        choice.add(batch, keep=not self.ask.stream)
+        self.keep(choice.add(batch, keep=not self.ask.stream))
         if not self.ask.stream:
             return json.dumps(self.whole(), ensure_ascii=False).encode() if done else None
         message = self.chunks(index, batch, choice.finish_reason)
@@ -106,6 +119,17 @@ class OpenAIFraming:
                 message += event(self.chunk([], usage=self.usage()))
             message += DONE
         return message
+
+    def keep(self, count: int) -> None:
+        """Hold `count` more log-probabilities for a whole response, within the limit."""
+        self.kept += count
+        if self.kept > MAX_WHOLE_LOGPROBS:
+            raise invalid(
+                f"logprobs: a whole response holds at most {MAX_WHOLE_LOGPROBS} "
+                "log-probabilities (tokens x (top + 1), every choice's); ask for fewer, or "
+                "stream it",
+                "logprobs",
+            )
 
     def abnormal(self, index: int, batch: Sequence[RequestOutput]) -> tuple[Any, Exception]:
         error = finish_error(batch[-1])
@@ -125,7 +149,9 @@ class OpenAIFraming:
             self.began.add(index)
             echo = self.echo_of(index)
             if self.chat:
-                first = event(self.chunk([self.piece(index, {"role": "assistant", "content": ""})]))
+                role = self.piece(index, {"role": "assistant", "content": ""})
+                role["logprobs"] = None
+                first = event(self.chunk([role]))
             elif self.ask.echo:
                 text = echo + text
                 prompt = self.choices[index].prompt
@@ -158,8 +184,13 @@ class OpenAIFraming:
     ) -> dict[str, Any]:
         piece: dict[str, Any] = {"index": index}
         piece["delta" if self.chat else "text"] = content
-        with_logprobs = self.ask.sampling.logprobs is not None
-        piece["logprobs"] = self.logprobs_of(logprobs, prompt) if with_logprobs else None
+        if self.ask.sampling.logprobs is None:
+            piece["logprobs"] = None
+        else:
+            choice = self.choices[index]
+            piece["logprobs"] = self.logprobs_of(logprobs, prompt, choice.offset)
+            if not self.chat:
+                choice.offset += sum(len(t) for t in piece["logprobs"]["tokens"])
         piece["finish_reason"] = finish
         return piece
 
@@ -209,44 +240,45 @@ class OpenAIFraming:
         return self.echoes[index // self.ask.n] if self.ask.echo and self.echoes else ""
 
     def logprobs_of(
-        self, logprobs: Sequence[Logprobs], prompt: Prompt | None = None
+        self, logprobs: Sequence[Logprobs], prompt: Prompt | None = None, start: int = 0
     ) -> dict[str, Any]:
-        """Chat's `content` list, or completions' parallel lists; with `prompt` (echo), the
-        prompt's tokens first, its first token's logprob null (nothing comes before it)."""
+        """Chat's `content` list, or completions' parallel lists (`text_offset` from `start`,
+        the characters the choice's earlier chunks held); with `prompt` (echo), the prompt's
+        tokens first, its first token's logprob null (nothing comes before it)."""
         if self.chat:
             return {"content": [self.chat_logprob(lp) for lp in logprobs]}
         tokens: list[str] = []
         values: list[float | None] = []
         tops: list[dict[str, float] | None] = []
         if prompt is not None and prompt[0]:
-            tokens.append(self.token_text(prompt[0][0]))
+            tokens.append(self.tokens.text(prompt[0][0]))
             values.append(None)
             tops.append(None)
             logprobs = [*prompt[1], *logprobs]
         for lp in logprobs:
-            tokens.append(self.token_text(lp.chosen.token_id))
+            tokens.append(self.tokens.text(lp.chosen.token_id))
             values.append(lp.chosen.logprob)
-            tops.append({self.token_text(t.token_id): t.logprob for t in lp.top})
+            tops.append({self.tokens.text(t.token_id): t.logprob for t in lp.top})
         return {
             "tokens": tokens,
             "token_logprobs": values,
             "top_logprobs": tops,
-            "text_offset": offsets(tokens),
+            "text_offset": offsets(tokens, start),
         }
 
     def chat_logprob(self, logprobs: Logprobs) -> dict[str, Any]:
         def item(token_id: int, logprob: float) -> dict[str, Any]:
-            text = self.token_text(token_id)
-            return {"token": text, "logprob": logprob, "bytes": list(text.encode())}
+            text = self.tokens.text(token_id)
+            return {"token": text, "logprob": logprob, "bytes": list(self.tokens.bytes(token_id))}
 
         chosen = item(logprobs.chosen.token_id, logprobs.chosen.logprob)
         chosen["top_logprobs"] = [item(t.token_id, t.logprob) for t in logprobs.top]
         return chosen
 
 
-def offsets(tokens: Sequence[str]) -> list[int]:
-    """Each token's character offset in the text they make."""
-    result, at = [], 0
+def offsets(tokens: Sequence[str], start: int = 0) -> list[int]:
+    """Each token's character offset in the text they make (it starting at `start`)."""
+    result, at = [], start
     for token in tokens:
         result.append(at)
         at += len(token)
