@@ -10,6 +10,8 @@ Rules: port 0; the server in this process; clients in worker threads; every test
 
 from __future__ import annotations
 
+import http.client
+import json
 import socket
 import ssl
 from collections.abc import AsyncIterator
@@ -31,6 +33,7 @@ from loom.server.boundary.config import BoundaryConfig
 from loom.server.boundary.tls import client_context
 from loom.server.config import ServerConfig
 from loom.server.health_probe import check
+from loom.server.openai.config import HttpConfig
 from loom.server.supervisor import Supervisor
 from loom.v1 import loom_pb2 as pb
 from loom.v1.loom_grpc import LoomStub
@@ -197,3 +200,37 @@ async def test_tls_a_handshake_never_begun_is_closed_at_the_preface_timeout(
             assert await trio.to_thread.run_sync(silent_until_closed, port) == b""
             context = client_context(str(pki["ca"]))
             assert len(await in_asyncio(grpclib_generate, port, context)) == 4
+
+
+async def test_tls_the_http_api_serves_the_same_certificate_with_alpn_http_1_1(
+    tiny_chat: LoadedModel, pki: dict[str, Path]
+) -> None:
+    boundary = BoundaryConfig(
+        tls_cert_file=str(pki["cert"]), tls_key_file=str(pki["key"]), preface_timeout=1
+    )
+    body = json.dumps({"prompt": "Hello", "max_tokens": 3}).encode()
+
+    def call(port: int) -> tuple[int, bytes, str | None]:
+        context = ssl.create_default_context(cafile=str(pki["ca"]))
+        context.set_alpn_protocols(["http/1.1"])
+        connection = http.client.HTTPSConnection(HOST, port, context=context, timeout=30)
+        connection.request("POST", "/v1/completions", body, {"Content-Type": "application/json"})
+        response = connection.getresponse()
+        assert connection.sock is not None
+        protocol = connection.sock.selected_alpn_protocol()
+        reply = response.status, response.read(), protocol
+        connection.close()
+        return reply
+
+    def plaintext(port: int) -> bytes:
+        with socket.create_connection((HOST, port), timeout=30) as sock:
+            sock.sendall(b"GET /health HTTP/1.1\r\nHost: x\r\n\r\n")
+            return sock.recv(4096)
+
+    async with serving(tiny_chat, boundary=boundary, http=HttpConfig(http_port=0)) as (server, _):
+        with trio.fail_after(60):
+            status, raw, protocol = await trio.to_thread.run_sync(call, server.http_port)
+            refused = await trio.to_thread.run_sync(plaintext, server.http_port)
+    assert (status, protocol) == (200, "http/1.1")
+    assert json.loads(raw)["usage"]["completion_tokens"] == 3
+    assert not refused.startswith(b"HTTP/1.1 200")  # plaintext on the TLS port gets nothing
