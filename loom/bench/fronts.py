@@ -68,9 +68,7 @@ async def one_request(
                 if received is not None:
                     received.extend(delta.token_ids)
     except Exception as exc:  # a failed request is counted, not fatal to the run
-        return RequestTiming(
-            ok=False, num_prompt_tokens=len(prompt), token_times=(), error=repr(exc)
-        )
+        return RequestTiming.failed(prompt, exc)
     return RequestTiming(ok=True, num_prompt_tokens=len(prompt), token_times=tuple(times))
 
 
@@ -147,9 +145,7 @@ class OpenAIFront:
                     if received is not None:
                         received.extend(token_ids)
         except Exception as exc:  # a failed request is counted, not fatal to the run
-            return RequestTiming(
-                ok=False, num_prompt_tokens=len(prompt), token_times=(), error=repr(exc)
-            )
+            return RequestTiming.failed(prompt, exc)
         return RequestTiming(ok=True, num_prompt_tokens=len(prompt), token_times=tuple(times))
 
 

@@ -96,9 +96,7 @@ def one_request(port: int, prompt: tuple[int, ...], output_len: int) -> RequestT
                 times.extend([now] * len(json.loads(line[6:]).get("tokens", [])))
         connection.close()
     except Exception as exc:  # a failed request is counted, not fatal to the run
-        return RequestTiming(
-            ok=False, num_prompt_tokens=len(prompt), token_times=(), error=repr(exc)
-        )
+        return RequestTiming.failed(prompt, exc)
     return RequestTiming(ok=True, num_prompt_tokens=len(prompt), token_times=tuple(times))
 
 

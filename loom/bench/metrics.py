@@ -25,6 +25,11 @@ class RequestTiming:
     token_times: tuple[float, ...]  # arrival of each output token
     error: str = ""
 
+    @classmethod
+    def failed(cls, prompt: tuple[int, ...], error: Exception) -> RequestTiming:
+        """A request that failed: counted, not fatal to the run."""
+        return cls(ok=False, num_prompt_tokens=len(prompt), token_times=(), error=repr(error))
+
     @property
     def ttft(self) -> float:
         return self.token_times[0]

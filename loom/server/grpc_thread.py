@@ -129,7 +129,6 @@ class GrpcThread:
             self.engine, servicer.bridge, self.tenants, servicer.live, config.http, config.boundary
         )
         self.http = HttpFront(api, config.boundary, self.endpoint, refused, self.http_tls)
-        api.front = self.http
         assert config.http.http_port is not None
         self.http_port = await self.http.start(config.http.http_host, config.http.http_port)
 

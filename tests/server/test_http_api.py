@@ -626,3 +626,23 @@ async def test_http_a_whole_response_holds_at_most_so_many_logprobs(tiny_chat: L
     for chunk in content:
         for item in chunk["choices"][0]["logprobs"]["content"]:
             assert isinstance(item["bytes"], list)
+
+
+async def test_http_n_choices_refused_in_part_end_every_choice_and_free_its_blocks() -> None:
+    sim = load_sim("sim:step_ms=10,seq_ms=0,token_ms=0")
+    body = {"prompt": [3, 4, 5], "max_tokens": 2000, "ignore_eos": True, "n": 8}
+    async with serving(
+        sim,
+        make_runner=SimRunner,
+        http=HTTP,
+        scheduler=SchedulerConfig(max_num_seqs=1),
+        max_waiting_requests=2,
+    ) as (server, _):
+        with trio.fail_after(60):
+            status, headers, raw = await post(server.http_port or 0, "/v1/completions", body)
+            seconds = await until(lambda: idle(server.engine), 10)
+            finished = server.engine.stats().finished
+    assert status == 429, raw  # 8 choices for 1 slot and 2 places: some refused at once
+    assert headers["Retry-After"] == "1"
+    assert seconds < 0.5  # the choices already queued or running were aborted with the rest
+    assert "length" not in finished

@@ -26,15 +26,15 @@ from loom.server.boundary.config import BoundaryConfig
 from loom.server.bridge import TrioBridge
 from loom.server.openai.config import HttpConfig
 from loom.server.openai.errors import HttpError, http_errors, invalid
-from loom.server.openai.exchange import read_json
-from loom.server.openai.front import HttpFront, error_response
+from loom.server.openai.exchange import Exchange, read_json
+from loom.server.openai.front import error_response
 from loom.server.openai.requests import chat_ask, chat_message, completion_ask, int_list
 from loom.server.openai.responses import OpenAIFraming, StreamEndedError
 from loom.server.openai.tokens import TokenTexts
 from loom.server.relay import Live, Relay
 from loom.server.tenants import HEALTH_PREFIX, Tenant, Tenants
 
-Route = Callable[[web.BaseRequest], Awaitable[web.StreamResponse]]
+Route = Callable[[web.BaseRequest, Exchange], Awaitable[web.StreamResponse]]
 
 
 class OpenAIApi:
@@ -53,36 +53,36 @@ class OpenAIApi:
         self.live = live
         self.config = config
         self.boundary = boundary
-        self.front: HttpFront | None = None  # set by the front that routes here
         self.routes: dict[tuple[str, str], Route] = {
-            ("POST", "/v1/chat/completions"): lambda r: self.generate(r, chat=True),
-            ("POST", "/v1/completions"): lambda r: self.generate(r, chat=False),
-            ("GET", "/v1/models"): self.models,
-            ("POST", "/tokenize"): self.tokenize,
-            ("POST", "/detokenize"): self.detokenize,
-            ("GET", "/health"): self.health,
-            ("GET", "/version"): self.version,
+            ("POST", "/v1/chat/completions"): lambda r, e: self.generate(r, e, chat=True),
+            ("POST", "/v1/completions"): lambda r, e: self.generate(r, e, chat=False),
+            ("GET", "/v1/models"): lambda r, _: self.models(r),
+            ("POST", "/tokenize"): lambda r, _: self.tokenize(r),
+            ("POST", "/detokenize"): lambda r, _: self.detokenize(r),
+            ("GET", "/health"): lambda r, _: self.health(r),
+            ("GET", "/version"): lambda r, _: self.version(r),
         }
 
-    async def __call__(self, request: web.BaseRequest) -> web.StreamResponse:
+    async def __call__(self, request: web.BaseRequest, exchange: Exchange) -> web.StreamResponse:
+        """The front's handler (loom/server/openai/front.py): `exchange` is the request's."""
         route = self.routes.get((request.method, request.path))
         if route is None and request.method == "GET" and request.path.startswith("/v1/models/"):
-            route = self.models
+            route = self.routes["GET", "/v1/models"]
         if route is None:
             known = any(path == request.path for _, path in self.routes)
             status, why = (405, "method not allowed") if known else (404, "no such route")
             return error_response(HttpError(status, f"{request.method} {request.path}: {why}"))
         try:
-            return await route(request)
+            return await route(request, exchange)
         except HttpError as exc:
             return error_response(exc)
 
     # Generation
 
-    async def generate(self, request: web.BaseRequest, *, chat: bool) -> web.StreamResponse:
-        assert self.front is not None
-        exchange = self.front.exchange_of(request)
-        done = self.front.counted(exchange)
+    async def generate(
+        self, request: web.BaseRequest, exchange: Exchange, *, chat: bool
+    ) -> web.StreamResponse:
+        done = exchange.counted()
         try:
             with http_errors():
                 request_id = exchange.request_id()

@@ -26,6 +26,7 @@ from typing import Any
 from aiohttp import web
 
 from loom.server.boundary.config import BoundaryConfig
+from loom.server.bridge import Count
 from loom.server.openai.errors import HttpError, invalid
 from loom.server.relay import Ending
 from loom.server.wire import MAX_REQUEST_ID_CHARS
@@ -39,13 +40,12 @@ SSE_HEADERS = {
 
 
 class Exchange(Ending):
-    def __init__(
-        self, request: web.BaseRequest, headers: dict[str, str], on_arrival: Callable[[], object]
-    ) -> None:
+    def __init__(self, request: web.BaseRequest, arriving: Count, in_flight: Count) -> None:
         super().__init__()
-        self.on_arrival = on_arrival
         self.request = request
-        self.headers = headers
+        self.arriving = arriving  # the drain's counts (the endpoint's, for both fronts)
+        self.in_flight = in_flight
+        self.headers: dict[str, str] = {}
         self.stream = False  # set once the body is read: SSE, or one JSON object
         self.close_after = False  # `Connection: close` (a drain has begun)
         self.response: web.StreamResponse | None = None
@@ -53,6 +53,18 @@ class Exchange(Ending):
     @property
     def started(self) -> bool:
         return self.response is not None
+
+    def counted(self) -> Callable[[], None]:
+        """Count a generation request as arriving and in flight; the returned call ends it."""
+        self.in_flight.add(1)
+        self.arriving.add(1)
+        self.on_arrival = lambda: self.arriving.add(-1)
+
+        def done() -> None:
+            self.arrived()
+            self.in_flight.add(-1)
+
+        return done
 
     def request_id(self) -> str:
         label = self.request.headers.get("X-Request-Id", "")

@@ -37,14 +37,19 @@ from loom.server.openai.errors import HttpError
 from loom.server.openai.exchange import Exchange
 
 log = logging.getLogger(__name__)
-Handler = Callable[[web.BaseRequest], Awaitable[web.StreamResponse]]
+Handler = Callable[[web.BaseRequest, Exchange], Awaitable[web.StreamResponse]]
 
 
 class Connections(web.Server):
     """aiohttp's server, told of each connection made and lost."""
 
-    def __init__(self, front: HttpFront, handler: Handler, **kwargs: Any) -> None:
-        super().__init__(handler, handler_cancellation=True, **kwargs)
+    def __init__(
+        self,
+        front: HttpFront,
+        serve: Callable[[web.BaseRequest], Awaitable[web.StreamResponse]],
+        **kwargs: Any,
+    ) -> None:
+        super().__init__(serve, handler_cancellation=True, **kwargs)
         self.front = front
 
     def connection_made(self, handler: RequestHandler, transport: asyncio.Transport) -> None:
@@ -168,28 +173,14 @@ class HttpFront:
             response = error_response(HttpError(503, "the server is draining", code="draining"))
             response.force_close()
             return response
-        self.exchanges[protocol] = exchange = Exchange(request, {}, lambda: None)
+        exchange = Exchange(request, self.arriving, self.num_in_flight)
+        self.exchanges[protocol] = exchange
         exchange.close_after = self.phase is not DrainPhase.SERVING
         try:
-            return await self.handler(request)
+            return await self.handler(request, exchange)
         finally:
             if self.exchanges.get(protocol) is exchange:
                 del self.exchanges[protocol]
-
-    def exchange_of(self, request: web.BaseRequest) -> Exchange:
-        return self.exchanges[request.protocol]
-
-    def counted(self, exchange: Exchange) -> Callable[[], None]:
-        """Count a generation request as arriving and in flight; the returned call ends it."""
-        self.num_in_flight.add(1)
-        self.arriving.add(1)
-        exchange.on_arrival = lambda: self.arriving.add(-1)
-
-        def done() -> None:
-            exchange.arrived()
-            self.num_in_flight.add(-1)
-
-        return done
 
     # The drain
 
