@@ -35,6 +35,7 @@ PINS = {
     "hpack": "4.2.0",
     "hyperframe": "6.1.0",
     "aiohttp": "3.14.5",
+    "llguidance": "1.9.1",
 }
 
 

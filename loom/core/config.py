@@ -64,3 +64,23 @@ class SchedulerConfig:
         "priority, then arrival; priority: by priority, then arrival; fcfs: by arrival",
         choices=("fair", "priority", "fcfs"),
     )
+
+
+@attrs.frozen(kw_only=True)
+class ConstraintConfig:
+    """Limits on structured outputs' constraints (loom/core/constraint.py)."""
+
+    max_constraint_bytes: int = setting(
+        65536,
+        "largest JSON schema, regex, grammar or list of choices, in bytes; beyond it "
+        "INVALID_ARGUMENT",
+        check=at_least(1),
+    )
+    constraint_compile_timeout: float = setting(
+        2.0,
+        "seconds a constraint may take to compile; beyond it INVALID_ARGUMENT",
+        check=in_range(0, 60, low_open=True),
+    )
+    constraint_cache_size: int = setting(
+        256, "compiled constraints kept, by content, most recently used first", check=at_least(1)
+    )

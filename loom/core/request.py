@@ -6,6 +6,7 @@ import enum
 
 import attrs
 
+from loom.core.constraint import Matcher
 from loom.core.fair_share import SHARED, Tenancy
 from loom.core.request_output import FinishReason, Logprobs
 from loom.core.sampling_params import SamplingParams
@@ -86,6 +87,7 @@ class Request:
     num_cached_tokens: int = 0  # prompt tokens its first admission found in the prefix cache
     tenancy: Tenancy = SHARED
     prompt_logprobs: list[Logprobs] = attrs.field(factory=list)  # of prompt tokens 1.. (asked)
+    matcher: Matcher | None = None  # its constraint's state, advanced by each output token
 
     @property
     def tenant(self) -> str:
@@ -130,10 +132,25 @@ class Request:
     def paused(self) -> bool:
         return self.paused_since is not None
 
+    def take(self, token_id: int) -> None:
+        """A sampled token: the output's next, and its constraint's (a preemption keeps both,
+        so the matcher stays in step with the output it has seen)."""
+        self.output_token_ids.append(token_id)
+        if self.matcher is not None:
+            self.matcher.consume(token_id)
+
+    def stop_error(self) -> str | None:
+        """Why the request's constraint failed, if it did."""
+        return (self.matcher.error() or None) if self.matcher is not None else None
+
     def stop_status(self) -> RequestStatus | None:
         """How the last sampled token ends the request, if it does (stop strings aside)."""
         token = self.output_token_ids[-1]
         num_output = len(self.output_token_ids)
+        if self.matcher is not None and self.matcher.is_stopped():
+            # The grammar is complete (EOS was its only next token), or it failed.
+            error = self.matcher.error()
+            return RequestStatus.FINISHED_ERROR if error else RequestStatus.FINISHED_STOPPED
         if num_output >= self.sampling.min_tokens and (
             token in self.sampling.stop_token_ids
             or (token in self.eos_token_ids and not self.sampling.ignore_eos)

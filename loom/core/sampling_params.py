@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import attrs
 
+from loom.core.constraint import Constraint
 from loom.core.errors import InvalidRequestError
 
 MAX_LOGPROBS = 20
@@ -42,6 +43,8 @@ class SamplingParams:
     # The prompt's own log-probabilities (each token's given those before it), with this many
     # top alternatives, 0..20; such a request takes nothing from the prefix cache.
     prompt_logprobs: int | None = None
+    # What the output must match (structured outputs); its grammar decides where it ends.
+    constraint: Constraint | None = None
 
     def __attrs_post_init__(self) -> None:
         check_range("temperature", self.temperature, 0.0, 100.0)
@@ -75,6 +78,11 @@ class SamplingParams:
             check_range("logprobs", self.logprobs, 0, MAX_LOGPROBS)
         if self.prompt_logprobs is not None:
             check_range("prompt_logprobs", self.prompt_logprobs, 0, MAX_LOGPROBS)
+        if self.constraint is not None and (self.ignore_eos or self.min_tokens):
+            raise InvalidRequestError(
+                "ignore_eos and min_tokens cannot be combined with a constraint: its grammar "
+                "decides where the output ends"
+            )
 
     @property
     def greedy(self) -> bool:

@@ -256,7 +256,7 @@ class Scheduler:
                 continue
             if request.deadline is not None and now >= request.deadline:
                 continue  # too late: dropped; `expired` finishes it as DEADLINE next
-            request.output_token_ids.append(token_id)
+            request.take(token_id)
             if request.first_token_time is None:
                 request.first_token_time = now
             self.num_generated_tokens += 1
@@ -264,7 +264,7 @@ class Scheduler:
             delta = self.outputs.new_token(request, logprobs, last=status is not None)
             if delta.finish_reason is FinishReason.STOP_SEQUENCE:
                 status = RequestStatus.FINISHED_STOP_SEQUENCE
-            if status is not None and self.finish(request, status):
+            if status is not None and self.finish(request, status, request.stop_error()):
                 delta = self.outputs.final(request, now, delta)
             advanced.append((request, delta))
         return advanced

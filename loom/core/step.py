@@ -29,6 +29,7 @@ class SamplingInput:
     eos_token_ids: tuple[int, ...]  # banned until min_tokens (unless ignore_eos)
     prompt_token_ids: tuple[int, ...] = ()
     output_token_ids: tuple[int, ...] = ()
+    constrained: bool = False  # its logits are masked to what its matcher allows
 
     @classmethod
     def of(cls, request: Request) -> SamplingInput:
@@ -39,6 +40,7 @@ class SamplingInput:
             eos_token_ids=request.eos_token_ids,
             prompt_token_ids=request.prompt_token_ids if penalised else (),
             output_token_ids=tuple(request.output_token_ids) if penalised else (),
+            constrained=request.matcher is not None,
         )
 
 

@@ -6,6 +6,8 @@
     admission task ── token ids: checked at once, in order
        │              text and chat: tokenised in a worker thread, in a task of their own, so
        │              that no token-id request waits behind a text (texts take turns)
+       │              a constraint: compiled in a worker thread, in that task, under a time
+       │              limit (loom/model/grammar.py)
        ▼
     checks: the prompt, the context length, the queued prompt tokens
        │
@@ -21,14 +23,18 @@ admitted. A refusal found after `submit` returned ends the submission's stream w
 
 from __future__ import annotations
 
+import contextlib
 import uuid
 from collections.abc import Callable
+from concurrent.futures import Executor
 from functools import partial
+from typing import Any, TypeVar
 
 import attrs
 import trio
 
-from loom.core.errors import EngineOverloadedError
+from loom.core.constraint import Constraint, Matcher
+from loom.core.errors import EngineOverloadedError, InvalidRequestError
 from loom.core.fair_share import Tenancy
 from loom.core.prompt import Prompt, PromptChecker, needs_tokenizer
 from loom.core.request import Request
@@ -37,10 +43,12 @@ from loom.core.scheduler import Scheduler
 from loom.engine.config import CHARS_PER_TOKEN, EngineConfig
 from loom.engine.queue_share import PUSHED_OUT, QueueShare, queue_full
 from loom.engine.request_stream import RequestStream, in_trio
+from loom.model.grammar import Grammars
 from loom.model.loader import LoadedModel
 from loom.model.model_runner import ModelRunner
 
 Admit = Callable[["Submission", Request], None]
+T = TypeVar("T")
 
 
 @attrs.frozen(kw_only=True)
@@ -56,10 +64,17 @@ class Submission:
 
 
 class Admission:
-    def __init__(self, config: EngineConfig, prompts: PromptChecker, scheduler: Scheduler) -> None:
+    def __init__(
+        self,
+        config: EngineConfig,
+        prompts: PromptChecker,
+        scheduler: Scheduler,
+        grammars: Grammars,
+    ) -> None:
         self.config = config
         self.prompts = prompts
         self.scheduler = scheduler
+        self.grammars = grammars
         self.send, self.recv = trio.open_memory_channel[Submission](
             2 * config.max_waiting_requests  # aborted ones stay until handled
         )
@@ -88,7 +103,10 @@ class Admission:
             eos_token_ids=loaded.eos_token_ids,
             max_prompt_chars=config.max_prompt_chars or max_model_len * CHARS_PER_TOKEN,
         )
-        return cls(config, prompts, scheduler)
+        grammars = Grammars(
+            loaded.tokenizer, runner.vocab_size, loaded.eos_token_ids, config.constraints
+        )
+        return cls(config, prompts, scheduler, grammars)
 
     def submit(
         self,
@@ -105,6 +123,8 @@ class Admission:
         stream's consumer reaches the engine's `abort` and `resume` for this id alone."""
         self.prompts.check_size(prompt)
         self.prompts.check_cache_salt(cache_salt)
+        if sampling.constraint is not None:
+            self.grammars.check(sampling.constraint)
         self.make_place(tenancy)
         request_id = uuid.uuid4().hex
         stream = RequestStream(
@@ -177,26 +197,49 @@ class Admission:
             async for submission in self.recv:
                 if self.pending.get(submission.request_id) is not submission:
                     self.handled(submission)  # aborted while queued
-                elif needs_tokenizer(submission.prompt):
-                    nursery.start_soon(self.tokenize_then_admit, submission, admit)
+                elif needs_tokenizer(submission.prompt) or submission.sampling.constraint:
+                    nursery.start_soon(self.prepare_then_admit, submission, admit)
                 else:
                     self.admit_tokens(
                         submission, partial(self.prompts.tokenize, submission.prompt), admit
                     )
         self.done = True
 
-    async def tokenize_then_admit(self, submission: Submission, admit: Admit) -> None:
-        tokenize = partial(self.prompts.tokenize, submission.prompt)
+    async def prepare_then_admit(self, submission: Submission, admit: Admit) -> None:
+        """Compile the constraint and tokenise the prompt, each in a worker thread, then admit."""
+        prompt = submission.prompt
         try:
-            token_ids = await trio.to_thread.run_sync(tokenize, limiter=self.tokenizers)
+            matcher = await self.compile(submission.sampling.constraint)
+            if needs_tokenizer(prompt):
+                tokenize = partial(self.prompts.tokenize, prompt)
+                token_ids = await trio.to_thread.run_sync(tokenize, limiter=self.tokenizers)
+            else:
+                token_ids = self.prompts.tokenize(prompt)
         except Exception as exc:  # invalid, or a tokenizer failure
             if self.handled(submission):
                 self.refuse(submission, exc)
             return
-        self.admit_tokens(submission, lambda: token_ids, admit)
+        self.admit_tokens(submission, lambda: token_ids, admit, matcher)
+
+    async def compile(self, constraint: Constraint | None) -> Matcher | None:
+        """The constraint's matcher, or InvalidRequestError: invalid, or too slow to compile."""
+        if constraint is None:
+            return None
+        grammars = self.grammars
+        await run_on(grammars.compiling, grammars.prepare)
+        timeout = self.config.constraints.constraint_compile_timeout
+        with trio.move_on_after(timeout):  # the compile is abandoned, not stopped
+            return await run_on(grammars.compiling, grammars.compile, constraint)
+        raise InvalidRequestError(
+            f"{constraint.kind.value} did not compile within constraint_compile_timeout={timeout}s"
+        )
 
     def admit_tokens(
-        self, submission: Submission, tokenize: Callable[[], tuple[int, ...]], admit: Admit
+        self,
+        submission: Submission,
+        tokenize: Callable[[], tuple[int, ...]],
+        admit: Admit,
+        matcher: Matcher | None = None,
     ) -> None:
         """Check the tokenised prompt and hand the request on, or end its stream with why not."""
         try:
@@ -209,6 +252,7 @@ class Admission:
                 cache_salt=submission.cache_salt,
                 tenancy=submission.tenancy,
             )
+            request.matcher = matcher
             self.check_backlog(request.num_prompt_tokens)
             self.take_place(submission)
         except Exception as exc:  # invalid or overloaded
@@ -234,3 +278,18 @@ class Admission:
                 f"the queued prompt tokens would exceed max_waiting_tokens="
                 f"{self.config.max_waiting_tokens} ({num_queued} queued, this prompt {num_prompt})"
             )
+
+
+async def run_on(executor: Executor, fn: Callable[..., T], *args: Any) -> T:
+    """`fn(*args)` on one of `executor`'s threads; a cancel stops the wait, not `fn`."""
+    token = trio.lowlevel.current_trio_token()
+    done = trio.Event()
+
+    def wake(_: object) -> None:
+        with contextlib.suppress(trio.RunFinishedError):  # abandoned, and trio is gone
+            token.run_sync_soon(done.set)
+
+    future = executor.submit(fn, *args)
+    future.add_done_callback(wake)
+    await done.wait()
+    return future.result()

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import attrs
 
-from loom.core.config import CacheConfig, SchedulerConfig
+from loom.core.config import CacheConfig, ConstraintConfig, SchedulerConfig
 from loom.core.setting import above, at_least, setting
 
 # Far more than any tokenizer's average (about 4 for English), so that only a prompt that could
@@ -16,6 +16,7 @@ CHARS_PER_TOKEN = 16
 class EngineConfig:
     cache: CacheConfig = attrs.field(factory=CacheConfig)
     scheduler: SchedulerConfig = attrs.field(factory=SchedulerConfig)
+    constraints: ConstraintConfig = attrs.field(factory=ConstraintConfig)
     max_waiting_requests: int = setting(
         256, "queue limit in requests; beyond it RESOURCE_EXHAUSTED", check=at_least(1)
     )

@@ -8,6 +8,7 @@ admitted requests; and the loop that steps them.
         │ SchedulerOutput (plain data)
         ▼
     worker thread: runner.execute_model (forward, LM head on sampling rows, sample)
+        ‖ and another, for a step with constrained rows: their token masks (Grammars.fill)
         │ ModelRunnerOutput (plain data)
         ▼
     scheduler.update, one pass: tokens applied, detokenised, every stop made, finished
@@ -41,6 +42,7 @@ from loom.engine.config import EngineConfig
 from loom.engine.metrics import EngineMetrics, log_request
 from loom.engine.request_stream import RequestStream
 from loom.engine.stats import EngineStats, TenantLedger, TenantStats
+from loom.model.grammar import GrammarMatcher
 from loom.model.loader import LoadedModel
 from loom.model.model_runner import ModelRunner
 
@@ -115,13 +117,32 @@ class EngineCore:
 
     async def step(self, output: SchedulerOutput) -> None:
         start = time.perf_counter()
+        matchers = self.constrained(output)
+        # The constrained rows' masks, on a thread of their own while the forward runs; the
+        # runner's thread waits for them after the forward (and gets a fill's error).
+        grammars = self.admission.grammars
+        masks = grammars.masking.submit(grammars.fill, matchers) if matchers else None
         result = await trio.to_thread.run_sync(
-            self.runner.execute_model, output, limiter=self.limiter, abandon_on_cancel=False
+            self.runner.execute_model,
+            output,
+            masks.result if masks else None,
+            limiter=self.limiter,
+            abandon_on_cancel=False,
         )
         self.metrics.stepped(len(output.sequences), time.perf_counter() - start)
         now = trio.current_time()
         for request, out in self.scheduler.update(output, result, now):
             self.publish(request, out, now)
+
+    def constrained(self, output: SchedulerOutput) -> list[GrammarMatcher]:
+        """The matchers of the step's constrained sampling rows, in the sampler's order."""
+        requests = self.scheduler.requests
+        matchers = [
+            requests[seq.request_id].matcher
+            for seq in output.sequences
+            if seq.sampling is not None and seq.sampling.constrained
+        ]
+        return [m for m in matchers if isinstance(m, GrammarMatcher)]
 
     def publish(self, request: Request, output: RequestOutput, now: float) -> None:
         """A request's new token: pushed to its stream (pausing the request when the stream is

@@ -25,7 +25,7 @@ from loom.model.device import available_memory
 from loom.model.kv_cache import KVCache
 from loom.model.llama import LlamaModel
 from loom.model.loader import LoadedModel
-from loom.model.sampler import Sampler, token_logprobs
+from loom.model.sampler import Masks, Sampler, token_logprobs
 
 SCORE_ROWS = 256  # logits rows at a time when scoring a prompt: 256 x 49,152 floats is 50 MB
 
@@ -59,8 +59,11 @@ class ModelRunner:
         return self.model.max_model_len
 
     @torch.inference_mode()
-    def execute_model(self, output: SchedulerOutput) -> ModelRunnerOutput:
-        """One forward for the whole step, then one sampled token per sampling sequence."""
+    def execute_model(
+        self, output: SchedulerOutput, masks: Masks | None = None
+    ) -> ModelRunnerOutput:
+        """One forward for the whole step, then one sampled token per sampling sequence;
+        `masks()` (waited for after the forward) gives the constrained rows' bitmasks."""
         sequences = output.sequences
         if not sequences:
             raise ValueError("a step needs at least one scheduled sequence")
@@ -78,7 +81,7 @@ class ModelRunner:
             )
         logits = self.model.compute_logits(hidden[(ends - 1)[rows].to(self.device)]).float()
         inputs = [seq.sampling for seq in sequences if seq.sampling is not None]
-        sampled = self.sampler.sample(logits, inputs)
+        sampled = self.sampler.sample(logits, inputs, masks)
         return ModelRunnerOutput(
             request_ids=tuple(sequences[i].request_id for i in rows),
             token_ids=tuple(sampled.token_ids),

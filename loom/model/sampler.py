@@ -1,6 +1,7 @@
 """Batched sampling on tensors: one row per request, no Python loop over the vocabulary.
 
-Order, as in vLLM: penalties and min_tokens on the raw logits; greedy rows take the argmax;
+Order, as in vLLM: penalties and min_tokens on the raw logits, then a constrained row's mask
+(structured outputs: the tokens its grammar allows); greedy rows take the argmax;
 the others are divided by their temperature, cut by top_k, top_p and min_p, and sampled by the
 exponential race (`argmax(p / q)`, `q ~ Exp(1)`), which equals sampling from `p` and lets each
 seeded request draw its `q` from a generator of its own, seeded by its seed and the position of
@@ -12,13 +13,16 @@ per-request state.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import attrs
 import torch
 
 from loom.core.request_output import Logprobs, TokenLogprob
 from loom.core.step import SamplingInput
+from loom.model.grammar import apply_masks
+
+Masks = Callable[[], torch.Tensor]  # the step's constrained rows' bitmasks, when they are ready
 
 MASK_64 = (1 << 64) - 1
 LOGIT_CAP = 1e30  # / GREEDY_BELOW (1e-5) = 1e35, below float32's 3.4e38
@@ -35,8 +39,11 @@ class Sampler:
         self.vocab_size = vocab_size
         self.device = device
 
-    def sample(self, logits: torch.Tensor, rows: Sequence[SamplingInput]) -> SamplerOutput:
-        """Sample one token for each row of float32 `logits` [N, V], row i for `rows[i]`."""
+    def sample(
+        self, logits: torch.Tensor, rows: Sequence[SamplingInput], masks: Masks | None = None
+    ) -> SamplerOutput:
+        """Sample one token for each row of float32 `logits` [N, V], row i for `rows[i]`;
+        `masks()` gives the bitmasks of the constrained rows, in order (loom/model/grammar.py)."""
         logits = logits[:, : self.vocab_size]
         raw_logprobs = (
             torch.log_softmax(logits, dim=-1)
@@ -46,6 +53,11 @@ class Sampler:
         if any(r.params.has_penalties for r in rows):
             logits = self.apply_penalties(logits, rows)
         logits = self.apply_min_tokens(logits, rows)
+        constrained = [i for i, r in enumerate(rows) if r.constrained]
+        if constrained:
+            if masks is None:
+                raise ValueError("a step with constrained rows needs their masks")
+            logits = apply_masks(logits, constrained, masks())
         token_ids = logits.argmax(dim=-1)
         random = [i for i, r in enumerate(rows) if not r.params.greedy]
         if random:

@@ -26,6 +26,7 @@ from loom.core.step import ModelRunnerOutput, ScheduledSequence, SchedulerOutput
 from loom.model.kv_cache import KVCacheShape
 from loom.model.loader import LoadedModel
 from loom.model.model_runner import ModelRunner
+from loom.model.sampler import Masks
 
 PREFIX = "sim"
 # Each parameter's least value; the counts (at least 1) are whole numbers, the times are not.
@@ -106,7 +107,9 @@ class SimRunner(ModelRunner):
     def max_model_len(self) -> int:
         return self.sim.max_len
 
-    def execute_model(self, output: SchedulerOutput) -> ModelRunnerOutput:
+    def execute_model(
+        self, output: SchedulerOutput, masks: Masks | None = None
+    ) -> ModelRunnerOutput:
         sequences = output.sequences
         num_tokens = sum(len(s.token_ids) for s in sequences)
         time.sleep(self.sim.step_seconds(len(sequences), num_tokens))

@@ -1,0 +1,194 @@
+"""Constraints compiled with llguidance, and the token masks of a step's constrained rows.
+
+    Constraint ── Grammars.compile (admission, a worker thread, under a time limit)
+        │          checked: size, then llguidance's own parse of the schema, regex or grammar;
+        │          compiled once per content (a bounded LRU cache), copied for each request
+        ▼
+    GrammarMatcher on the request ── Grammars.fill (a thread of its own, while the forward
+        │                             pass runs): one bitmask row per constrained row
+        ▼
+    apply_masks (the sampler): disallowed tokens' logits to -inf, before greedy or sampling
+
+llguidance builds its lexer lazily and bounds every step by "fuel" (LLParserLimits): a
+grammar too complex for a step puts its matcher in an error state, never a step that hangs;
+the request then ends with the error (`Request.stop_status`). Why llguidance: the README's
+"Structured outputs" section, with the figures of examples/constraint_candidates.py.
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+import threading
+from collections import OrderedDict
+from collections.abc import Sequence
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any
+
+import llguidance
+import llguidance.hf
+import torch
+
+from loom.core.config import ConstraintConfig
+from loom.core.constraint import Constraint, ConstraintKind
+from loom.core.errors import InvalidRequestError
+
+MAX_ERROR_CHARS = 500  # of llguidance's message, in a refusal
+# llguidance recurses on a grammar's depth as it builds it: a chain of a few thousand Lark
+# rules overflows a thread's usual 8 MiB stack and kills the process (a segfault, not an
+# exception). Its threads get a stack far deeper than the deepest grammar within
+# max_constraint_bytes needs (tests/model/test_grammar.py builds them); it is address space,
+# touched only as deep as a grammar goes.
+GRAMMAR_STACK_BYTES = 1 << 30
+JSON_OPTIONS: Any = {"whitespace_flexible": False}
+
+
+class GrammarMatcher:
+    """One request's llguidance matcher (loom.core.constraint.Matcher)."""
+
+    def __init__(self, matcher: llguidance.LLMatcher) -> None:
+        self.matcher = matcher
+
+    def consume(self, token_id: int) -> None:
+        self.matcher.consume_token(token_id)  # False: an error state, which `error` tells
+
+    def is_stopped(self) -> bool:
+        return bool(self.matcher.is_stopped())
+
+    def error(self) -> str:
+        message = self.matcher.get_error()
+        return f"the constraint failed: {message[:MAX_ERROR_CHARS]}" if message else ""
+
+
+class Grammars:
+    """The model's tokenizer as llguidance sees it, and the constraints compiled for it."""
+
+    def __init__(
+        self,
+        tokenizer: Any,
+        vocab_size: int,
+        eos_token_ids: Sequence[int],
+        config: ConstraintConfig,
+    ) -> None:
+        self.tokenizer = tokenizer
+        self.vocab_size = vocab_size
+        self.eos_token_ids = list(eos_token_ids)
+        self.config = config
+        self.lock = threading.Lock()  # compiles run in worker threads
+        self.ll_tokenizer: llguidance.LLTokenizer | None = None
+        self.compiled: OrderedDict[Constraint, llguidance.LLMatcher] = OrderedDict()
+        self.executor = llguidance.LLExecutor(num_threads=1)  # the forward has the cores
+        self.limits = llguidance.LLParserLimits(verbose_errors=False)
+
+    # Compiles and masks run on threads of their own, with deep stacks, started on first use
+    # (by the trio thread): two compiling (one past its time limit is abandoned, and keeps its
+    # thread until llguidance's own limits end it), one filling a step's masks.
+    @functools.cached_property
+    def compiling(self) -> ThreadPoolExecutor:
+        return deep_stack_threads(2, "loom-compile")
+
+    @functools.cached_property
+    def masking(self) -> ThreadPoolExecutor:
+        return deep_stack_threads(1, "loom-masks")
+
+    def check(self, constraint: Constraint) -> None:
+        """Refuse at once what needs no compiling to refuse: no tokenizer, too large."""
+        if self.tokenizer is None:
+            raise InvalidRequestError("constraints need a tokenizer; this model has none")
+        limit = self.config.max_constraint_bytes
+        if constraint.size > limit:
+            raise InvalidRequestError(
+                f"{constraint.kind.value} has {constraint.size} bytes; the limit is "
+                f"max_constraint_bytes={limit}"
+            )
+
+    def prepare(self) -> llguidance.LLTokenizer:
+        """The llguidance tokenizer, made on first use (half a second for a 49k vocabulary)."""
+        with self.lock:
+            if self.ll_tokenizer is None:
+                n_vocab = max(self.vocab_size, len(self.tokenizer))
+                eos = self.eos_token_ids or None
+                self.ll_tokenizer = llguidance.hf.from_tokenizer(self.tokenizer, n_vocab, eos)
+            return self.ll_tokenizer
+
+    def compile(self, constraint: Constraint) -> GrammarMatcher:
+        """A fresh matcher for `constraint`, compiled or from the cache; InvalidRequestError
+        naming what is wrong with it."""
+        self.check(constraint)
+        with self.lock:
+            template = self.compiled.get(constraint)
+            if template is not None:
+                self.compiled.move_to_end(constraint)
+                return GrammarMatcher(template.deep_copy())
+        template = llguidance.LLMatcher(
+            self.prepare(), grammar_of(constraint), log_level=0, limits=self.limits
+        )
+        if template.is_error():
+            message = template.get_error()[:MAX_ERROR_CHARS]
+            raise InvalidRequestError(f"{constraint.kind.value} is not valid: {message}")
+        with self.lock:
+            self.compiled[constraint] = template
+            while len(self.compiled) > self.config.constraint_cache_size:
+                self.compiled.popitem(last=False)
+        return GrammarMatcher(template.deep_copy())
+
+    def fill(self, matchers: Sequence[GrammarMatcher]) -> torch.Tensor:
+        """The bitmask [len(matchers), ceil(vocab / 32)] of the tokens each matcher allows
+        next. A matcher in error allows every token: its request ends with the error when
+        its next token is applied (an all-zero row would leave nothing to sample)."""
+        words = (self.prepare().vocab_size + 31) // 32
+        mask = torch.full((len(matchers), words), -1, dtype=torch.int32)
+        pairs = [(m.matcher, i) for i, m in enumerate(matchers) if not m.matcher.is_error()]
+        if pairs:
+            self.executor.unsafe_compute_mask_ptr(pairs, mask.data_ptr(), words * 4, len(matchers))
+        for i, m in enumerate(matchers):
+            if m.matcher.is_error():
+                mask[i] = -1
+        return mask
+
+
+def deep_stack_threads(count: int, name: str) -> ThreadPoolExecutor:
+    """An executor whose `count` threads are started now, each with a GRAMMAR_STACK_BYTES
+    stack (a thread's stack size is fixed as it starts: each blocks until all have started)."""
+    executor = ThreadPoolExecutor(max_workers=count, thread_name_prefix=name)
+    started = threading.Barrier(count + 1)
+    previous = threading.stack_size(GRAMMAR_STACK_BYTES)
+    try:
+        for _ in range(count):  # none is idle yet, so each submit starts a thread
+            executor.submit(started.wait)
+        started.wait()
+    finally:
+        threading.stack_size(previous)
+    return executor
+
+
+def grammar_of(constraint: Constraint) -> str:
+    """llguidance's grammar text for a constraint."""
+    kind, spec = constraint.kind, constraint.spec
+    if kind is ConstraintKind.CHOICE:
+        # Lark string literals, JSON-escaped: a choice is matched as it is written.
+        alternatives = " | ".join(json.dumps(c) for c in constraint.choices)
+        return llguidance.LLMatcher.grammar_from_lark(f"start: {alternatives}\n")
+    if kind is ConstraintKind.REGEX:
+        return llguidance.LLMatcher.grammar_from_regex(spec)
+    if kind is ConstraintKind.GRAMMAR:
+        return llguidance.LLMatcher.grammar_from_lark(spec)
+    schema = '{"type": "object"}' if kind is ConstraintKind.JSON_OBJECT else spec
+    try:
+        # Compact JSON (", " and ": " between items): free whitespace lets a model pad forever.
+        return llguidance.LLMatcher.grammar_from_json_schema(schema, defaults=JSON_OPTIONS)
+    except ValueError as exc:  # not JSON, or not an object
+        raise InvalidRequestError(f"json_schema is not a JSON object: {exc}") from None
+
+
+def apply_masks(logits: torch.Tensor, rows: Sequence[int], bitmask: torch.Tensor) -> torch.Tensor:
+    """`logits` with row `rows[i]` cut to the tokens bit-set in `bitmask[i]` (-inf elsewhere)."""
+    vocab = logits.shape[-1]
+    bits = (bitmask[:, :, None] >> torch.arange(32, dtype=torch.int32)) & 1
+    allowed = bits.flatten(1)[:, :vocab].bool().to(logits.device)
+    if allowed.shape[-1] < vocab:  # ids beyond the tokenizer's: never allowed
+        allowed = torch.nn.functional.pad(allowed, (0, vocab - allowed.shape[-1]))
+    index = torch.tensor(list(rows), device=logits.device)
+    logits = logits.clone()
+    logits[index] = logits[index].masked_fill(~allowed, float("-inf"))
+    return logits
