@@ -10,6 +10,7 @@ from collections.abc import Sequence
 
 import attrs
 
+from loom.core.constraint import Constraint, ConstraintKind
 from loom.core.errors import InvalidRequestError
 from loom.core.fair_share import MAX_PRIORITY, Tenancy
 from loom.core.prompt import ChatMessage, Prompt
@@ -74,7 +75,21 @@ def sampling_from(message: pb.SamplingParams) -> SamplingParams:
         stop=tuple(message.stop),
         stop_token_ids=tuple(message.stop_token_ids),
         ignore_eos=message.ignore_eos,
+        constraint=constraint_from(message),
     )
+
+
+def constraint_from(message: pb.SamplingParams) -> Constraint | None:
+    kind = message.WhichOneof("constraint")
+    if kind is None:
+        return None
+    if kind == "choice":
+        return Constraint(kind=ConstraintKind.CHOICE, choices=tuple(message.choice.choices))
+    if kind == "json_object":
+        if not message.json_object:
+            raise InvalidRequestError("json_object must be true when set")
+        return Constraint(kind=ConstraintKind.JSON_OBJECT)
+    return Constraint(kind=ConstraintKind(kind), spec=getattr(message, kind))
 
 
 def delta_from(outputs: Sequence[RequestOutput]) -> pb.Delta:

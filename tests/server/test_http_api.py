@@ -218,7 +218,21 @@ async def test_http_sse_framing_is_openai_s_byte_for_byte(tiny_chat: LoadedModel
         ({"messages": CHAT, "stop": [1, 2]}, "stop"),
         ({"messages": CHAT, "max_tokens": 0}, "max_tokens"),
         ({"messages": CHAT, "max_tokens": 100_000}, "prompt"),  # prompt + max_tokens > context
-        ({"messages": CHAT, "response_format": {"type": "json_object"}}, "response_format"),
+        ({"messages": CHAT, "response_format": {"type": "xml"}}, "response_format"),
+        ({"messages": CHAT, "response_format": {"type": "json_schema"}}, "response_format"),
+        (
+            {"messages": CHAT, "structured_outputs": {"regex": "a", "choice": ["b"]}},
+            "structured_outputs",
+        ),
+        ({"messages": CHAT, "structured_outputs": {"choice": [1]}}, "structured_outputs"),
+        (
+            {
+                "messages": CHAT,
+                "response_format": {"type": "json_object"},
+                "structured_outputs": {"regex": "a"},
+            },
+            "structured_outputs",
+        ),
         ({"messages": CHAT, "tools": [{"type": "function"}]}, "tools"),
         ({"messages": CHAT, "stream_options": {"include_usage": True}}, "stream_options"),
         ({"messages": CHAT, "logprobs": True, "top_logprobs": 21}, "logprobs"),

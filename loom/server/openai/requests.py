@@ -6,11 +6,12 @@ Taken (chat and completions): model, max_tokens (and chat's max_completion_token
 top_p, n, stop, seed, presence_penalty, frequency_penalty, logprobs (chat: top_logprobs too),
 stream, stream_options.include_usage, user; vLLM's extensions top_k, min_p, repetition_penalty,
 min_tokens, ignore_eos, stop_token_ids, cache_salt, return_tokens_as_token_ids and
-return_token_ids. Chat: messages (system, developer, user, assistant; content a string or a
-list of text parts). Completions: prompt (a string, strings, token ids, lists of token ids),
-echo (with logprobs, the prompt's own log-probabilities too). Refused by name: suffix, best_of,
-logit_bias, tools, functions, response_format other than text (structured outputs come next),
-non-text parts. Unknown fields are ignored, as OpenAI's and vLLM's servers do.
+return_token_ids; structured outputs, OpenAI's response_format and vLLM's structured_outputs
+(loom/server/openai/structured.py). Chat: messages (system, developer, user, assistant;
+content a string or a list of text parts). Completions: prompt (a string, strings, token ids,
+lists of token ids), echo (with logprobs, the prompt's own log-probabilities too). Refused by
+name: suffix, best_of, logit_bias, tools, functions (tool calls come next), non-text parts.
+Unknown fields are ignored, as OpenAI's and vLLM's servers do.
 """
 
 from __future__ import annotations
@@ -23,6 +24,7 @@ from loom.core.fair_share import Tenancy
 from loom.core.prompt import ChatMessage, Prompt
 from loom.core.sampling_params import SamplingParams
 from loom.server.openai.errors import invalid
+from loom.server.openai.structured import constraint_of
 from loom.server.relay import Submission
 from loom.server.wire import MAX_CHAT_MESSAGES
 
@@ -80,14 +82,6 @@ def chat_ask(body: Any, max_choices: int) -> Ask:
     if len(messages) > MAX_CHAT_MESSAGES:
         raise invalid(f"messages has {len(messages)} items; the limit is {MAX_CHAT_MESSAGES}")
     prompt = [chat_message(m, i) for i, m in enumerate(messages)]
-    response_format = body.get("response_format")
-    if response_format is not None and (
-        not isinstance(response_format, dict) or response_format.get("type") != "text"
-    ):
-        raise invalid(
-            "response_format: structured outputs are not yet supported (only type text)",
-            "response_format",
-        )
     max_tokens = optional(body, "max_completion_tokens", int)
     if max_tokens is None:
         max_tokens = optional(body, "max_tokens", int)
@@ -179,6 +173,7 @@ def sampling_of(
         ignore_eos=optional(body, "ignore_eos", bool) or False,
         logprobs=logprobs,
         prompt_logprobs=prompt_logprobs,
+        constraint=constraint_of(body),
     )
 
 
