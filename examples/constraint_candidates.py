@@ -9,7 +9,9 @@ an array, enums, an integer range, optional fields, no additional properties), t
 schema again (its own cache, where it has one), and the time to compute the token masks of one
 decode step for 1, 8 and 64 sequences, each walking a valid document of its own token by token
 (so that no two rows share a parser state, as in a real batch). The
-figures are the README's "Why llguidance" table. Nothing else may run beside it.
+figures are the README's "Why llguidance" table; the first line is Loom's own path (the masks
+made into the logits' bias on the mask thread, then added in the sampler). Nothing else may
+run beside it.
 """
 
 from __future__ import annotations
@@ -162,7 +164,37 @@ def outlines_figures(tokenizer: Any) -> dict[str, float]:
     return figures
 
 
+def loom_figures(tokenizer: Any) -> dict[str, float]:
+    """Loom's own path on llguidance: Grammars.fill (the masks and the bias made from them, on
+    the mask thread) and apply_masks (the sampler's add), per decode step."""
+    from loom.core.config import ConstraintConfig
+    from loom.core.constraint import Constraint, ConstraintKind
+    from loom.model.grammar import Grammars, apply_masks
+
+    grammars = Grammars(tokenizer, len(tokenizer), [tokenizer.eos_token_id], ConstraintConfig())
+    grammars.prepare()
+    constraint = Constraint(kind=ConstraintKind.JSON_SCHEMA, spec=json.dumps(SCHEMA))
+    cold, _ = timed(lambda: grammars.compile(constraint))
+    cached, _ = timed(lambda: grammars.compile(constraint))
+    figures = {"compile cold": cold, "compile again": cached}
+    for n in ROWS:
+        matchers = [grammars.compile(constraint) for _ in range(n)]
+        logits = torch.randn(n, len(tokenizer))
+        fills, applies = [], []
+        for tokens in zip(*documents(tokenizer, n), strict=True):
+            ms, bias = timed(lambda ms=matchers: grammars.fill(ms))
+            fills.append(ms)
+            ms, _ = timed(lambda b=bias, n=n, x=logits: apply_masks(x, range(n), b))
+            applies.append(ms)
+            for m, token in zip(matchers, tokens, strict=True):
+                m.consume(token)
+        figures[f"fill x{n}"] = statistics.median(fills)
+        figures[f"apply x{n}"] = statistics.median(applies)
+    return figures
+
+
 CANDIDATES = {
+    "loom (llguidance, fill + apply)": loom_figures,
     "llguidance": llguidance_figures,
     "xgrammar": xgrammar_figures,
     "outlines-core": outlines_figures,

@@ -115,6 +115,13 @@ def add_parser(commands: Any) -> argparse.ArgumentParser:
         "one after the other on the same server, side by side in the tables, with each "
         "front's CPU time per token (default: grpc)",
     )
+    add(
+        "--constrained-fraction",
+        type=fraction,
+        default=0.0,
+        help="the share of requests constrained by a JSON schema of records (structured "
+        "outputs), spread evenly; each still makes exactly --output-len tokens (default: 0)",
+    )
     add("--http-address", default=None, help="with --address and --api openai: HOST:PORT")
     add("--api-key", default=None, help="sent as `authorization: Bearer KEY` (--api-key-file)")
     add_tls_arguments(bench)
@@ -277,3 +284,10 @@ def llama_server(args: argparse.Namespace, concurrencies: list[int]) -> Iterator
 
 def gguf_of(args: argparse.Namespace) -> Path:
     return Path(args.model) if args.model else default_model_path()
+
+
+def fraction(text: str) -> float:
+    value = float(text)
+    if not (0.0 <= value <= 1.0):
+        raise argparse.ArgumentTypeError(f"must be in [0, 1], got {text}")
+    return value

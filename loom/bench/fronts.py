@@ -2,6 +2,8 @@
 on a connection of its own per concurrent client, the same workload either way.
 
 - gRPC: a grpclib channel per client; each Delta's token ids, timed as they arrive.
+- With `--constrained-fraction`, that share of the requests is constrained by a JSON schema
+  (`records_schema`) that no output can complete before `--output-len` tokens.
 - openai: an aiohttp session holding one connection per client; POST /v1/completions with
   the prompt's token ids, `stream`, `ignore_eos` and vLLM's `return_token_ids` (so that each
   chunk's tokens are counted, not guessed from its text), each SSE chunk timed as it arrives.
@@ -13,9 +15,11 @@ token compares in one run.
 
 from __future__ import annotations
 
+import itertools
 import json
 import os
 import time
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any, Protocol
 
@@ -42,11 +46,47 @@ class Front(Protocol):
     ) -> RequestTiming: ...
 
 
-def request_for(prompt: tuple[int, ...], output_len: int) -> pb.GenerateRequest:
-    return pb.GenerateRequest(
-        token_ids=pb.TokenIds(ids=prompt),
-        sampling=pb.SamplingParams(temperature=0, max_tokens=output_len, ignore_eos=True),
+def request_for(
+    prompt: tuple[int, ...], output_len: int, schema: str | None = None
+) -> pb.GenerateRequest:
+    """Greedy, exactly `output_len` tokens: past EOS (`ignore_eos`), or, constrained by
+    `schema`, a grammar that cannot end sooner."""
+    sampling = (
+        pb.SamplingParams(temperature=0, max_tokens=output_len, ignore_eos=True)
+        if schema is None
+        else pb.SamplingParams(temperature=0, max_tokens=output_len, json_schema=schema)
     )
+    return pb.GenerateRequest(token_ids=pb.TokenIds(ids=prompt), sampling=sampling)
+
+
+def records_schema(output_len: int) -> str:
+    """The JSON schema of `--constrained-fraction`'s requests: an array of records, at least
+    `output_len` of them (each takes several tokens, so none ends before `output_len`)."""
+    record = {
+        "type": "object",
+        "properties": {
+            "id": {"type": "integer", "minimum": 0, "maximum": 99999},
+            "name": {"type": "string", "maxLength": 24},
+            "kind": {"enum": ["person", "place", "thing"]},
+            "score": {"type": "integer", "minimum": -100, "maximum": 100},
+        },
+        "required": ["id", "name", "kind"],
+        "additionalProperties": False,
+    }
+    return json.dumps({"type": "array", "items": record, "minItems": output_len})
+
+
+@attrs.frozen(kw_only=True)
+class Constraining:
+    """Which requests a front constrains: `fraction` of them, spread evenly in issue order."""
+
+    fraction: float = 0.0
+    issued: Iterator[int] = attrs.field(factory=itertools.count, eq=False)
+
+    def schema_for(self, output_len: int) -> str | None:
+        i = next(self.issued)
+        chosen = int((i + 1) * self.fraction) > int(i * self.fraction)
+        return records_schema(output_len) if chosen else None
 
 
 async def one_request(
@@ -54,13 +94,14 @@ async def one_request(
     prompt: tuple[int, ...],
     output_len: int,
     received: list[int] | None = None,
+    schema: str | None = None,
 ) -> RequestTiming:
     """One streamed request; its token ids go into `received`, if given."""
     start = time.perf_counter()
     times: list[float] = []
     try:
         async with LoomStub(channel).Generate.open() as stream:
-            await stream.send_message(request_for(prompt, output_len), end=True)
+            await stream.send_message(request_for(prompt, output_len, schema), end=True)
             async for response in stream:
                 now = time.perf_counter() - start
                 delta = response.delta if response.HasField("delta") else response.final.delta
@@ -77,6 +118,7 @@ class GrpcFront:
     host: str
     port: int
     client: Client
+    constraining: Constraining = attrs.field(factory=Constraining)
     name: str = "grpc"
 
     def open(self) -> Channel:
@@ -92,7 +134,8 @@ class GrpcFront:
         output_len: int,
         received: list[int] | None,
     ) -> RequestTiming:
-        return await one_request(connection, prompt, output_len, received)
+        schema = self.constraining.schema_for(output_len)
+        return await one_request(connection, prompt, output_len, received, schema)
 
 
 @attrs.frozen(kw_only=True)
@@ -100,6 +143,7 @@ class OpenAIFront:
     host: str
     port: int
     api_key: str | None = None
+    constraining: Constraining = attrs.field(factory=Constraining)
     name: str = "openai"
 
     def open(self) -> aiohttp.ClientSession:
@@ -118,14 +162,18 @@ class OpenAIFront:
         output_len: int,
         received: list[int] | None,
     ) -> RequestTiming:
-        body = {
+        body: dict[str, Any] = {
             "prompt": list(prompt),
             "max_tokens": output_len,
             "temperature": 0,
-            "ignore_eos": True,
             "stream": True,
             "return_token_ids": True,
         }
+        schema = self.constraining.schema_for(output_len)
+        if schema is None:
+            body["ignore_eos"] = True
+        else:
+            body["structured_outputs"] = {"json": json.loads(schema)}
         url = f"http://{self.host}:{self.port}/v1/completions"
         start = time.perf_counter()
         times: list[float] = []

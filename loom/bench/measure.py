@@ -12,7 +12,7 @@ import attrs
 
 from loom.bench.baseline import run_baseline
 from loom.bench.client import Client
-from loom.bench.fronts import Front, GrpcFront, OpenAIFront, ProcessCpu
+from loom.bench.fronts import Constraining, Front, GrpcFront, OpenAIFront, ProcessCpu
 from loom.bench.llama_cpp import drive_llama_server
 from loom.bench.metrics import Objectives, summarize, table
 from loom.bench.serving import (
@@ -43,12 +43,15 @@ class Target:
 
     def fronts(self, args: argparse.Namespace) -> list[Front]:
         """The fronts `--api` asks for, gRPC first."""
-        grpc = GrpcFront(host=self.host, port=self.port, client=Client.of(args))
+        share = Constraining(fraction=args.constrained_fraction)
+        grpc = GrpcFront(host=self.host, port=self.port, client=Client.of(args), constraining=share)
         if args.api == "grpc":
             return [grpc]
         if self.http_port is None:
             raise ValueError("--api openai: the server has no HTTP API port")
-        openai = OpenAIFront(host=self.host, port=self.http_port, api_key=args.api_key)
+        openai = OpenAIFront(
+            host=self.host, port=self.http_port, api_key=args.api_key, constraining=share
+        )
         return [openai] if args.api == "openai" else [grpc, openai]
 
 
@@ -199,6 +202,8 @@ def title_of(
             f"{len(workload.prompts)} requests, {args.input_len} prompt + {args.output_len} "
             "output tokens"
         )
+    if args.constrained_fraction:
+        what += f", {args.constrained_fraction:.0%} constrained by a JSON schema"
     return (
         f"\n== {args.workload}, concurrency {concurrency}: {what}; "
         f"KV blocks used at most {server['max_used_blocks']}/{server['num_total_blocks']}, "

@@ -8,6 +8,7 @@
         │                             pass runs): one bitmask row per constrained row
         ▼
     apply_masks (the sampler): disallowed tokens' logits to -inf, before greedy or sampling
+                               (the fill thread makes the bias to add; the sampler adds it)
 
 llguidance builds its lexer lazily and bounds every step by "fuel" (LLParserLimits): a
 grammar too complex for a step puts its matcher in an error state, never a step that hangs;
@@ -133,9 +134,9 @@ class Grammars:
         return GrammarMatcher(template.deep_copy())
 
     def fill(self, matchers: Sequence[GrammarMatcher]) -> torch.Tensor:
-        """The bitmask [len(matchers), ceil(vocab / 32)] of the tokens each matcher allows
-        next. A matcher in error allows every token: its request ends with the error when
-        its next token is applied (an all-zero row would leave nothing to sample)."""
+        """What each matcher allows next, as the logits' bias [len(matchers), vocab]
+        (`bias_of`). A matcher in error allows every token: its request ends with the error
+        when its next token is applied (an all-zero row would leave nothing to sample)."""
         words = (self.prepare().vocab_size + 31) // 32
         mask = torch.full((len(matchers), words), -1, dtype=torch.int32)
         pairs = [(m.matcher, i) for i, m in enumerate(matchers) if not m.matcher.is_error()]
@@ -144,7 +145,7 @@ class Grammars:
         for i, m in enumerate(matchers):
             if m.matcher.is_error():
                 mask[i] = -1
-        return mask
+        return bias_of(mask, self.vocab_size)
 
 
 def deep_stack_threads(count: int, name: str) -> ThreadPoolExecutor:
@@ -181,14 +182,18 @@ def grammar_of(constraint: Constraint) -> str:
         raise InvalidRequestError(f"json_schema is not a JSON object: {exc}") from None
 
 
-def apply_masks(logits: torch.Tensor, rows: Sequence[int], bitmask: torch.Tensor) -> torch.Tensor:
-    """`logits` with row `rows[i]` cut to the tokens bit-set in `bitmask[i]` (-inf elsewhere)."""
-    vocab = logits.shape[-1]
-    bits = (bitmask[:, :, None] >> torch.arange(32, dtype=torch.int32)) & 1
-    allowed = bits.flatten(1)[:, :vocab].bool().to(logits.device)
-    if allowed.shape[-1] < vocab:  # ids beyond the tokenizer's: never allowed
-        allowed = torch.nn.functional.pad(allowed, (0, vocab - allowed.shape[-1]))
+BIT = torch.arange(32, dtype=torch.int32)
+
+
+def bias_of(bitmask: torch.Tensor, vocab_size: int) -> torch.Tensor:
+    """The float32 [rows, vocab_size] to add to logits for a bitmask: 0 where a bit is set,
+    -inf elsewhere (1 - 1/bit; a bool mask's masked_fill costs ten times as much: 13 ms for
+    64 rows of 49,152 on 2 cores, against about 1 for an add)."""
+    bits = ((bitmask[:, :, None] >> BIT) & 1).flatten(1)[:, :vocab_size].float()
+    return bits.reciprocal_().neg_().add_(1)
+
+
+def apply_masks(logits: torch.Tensor, rows: Sequence[int], bias: torch.Tensor) -> torch.Tensor:
+    """`logits` with row `rows[i]` cut to what `bias[i]` allows (Grammars.fill)."""
     index = torch.tensor(list(rows), device=logits.device)
-    logits = logits.clone()
-    logits[index] = logits[index].masked_fill(~allowed, float("-inf"))
-    return logits
+    return logits.index_add(0, index, bias.to(logits.device))

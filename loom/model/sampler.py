@@ -22,7 +22,7 @@ from loom.core.request_output import Logprobs, TokenLogprob
 from loom.core.step import SamplingInput
 from loom.model.grammar import apply_masks
 
-Masks = Callable[[], torch.Tensor]  # the step's constrained rows' bitmasks, when they are ready
+Masks = Callable[[], torch.Tensor]  # the step's constrained rows' logit biases, once ready
 
 MASK_64 = (1 << 64) - 1
 LOGIT_CAP = 1e30  # / GREEDY_BELOW (1e-5) = 1e35, below float32's 3.4e38
@@ -43,7 +43,7 @@ class Sampler:
         self, logits: torch.Tensor, rows: Sequence[SamplingInput], masks: Masks | None = None
     ) -> SamplerOutput:
         """Sample one token for each row of float32 `logits` [N, V], row i for `rows[i]`;
-        `masks()` gives the bitmasks of the constrained rows, in order (loom/model/grammar.py)."""
+        `masks()` gives the constrained rows' logit biases, in order (loom/model/grammar.py)."""
         logits = logits[:, : self.vocab_size]
         raw_logprobs = (
             torch.log_softmax(logits, dim=-1)

@@ -107,6 +107,24 @@ def test_bench_drives_both_fronts_with_the_same_workload_and_their_cpu_per_token
     assert http["cpu_ms_per_token"] > 0
 
 
+def test_bench_constrains_a_share_of_requests_each_still_of_the_output_length(
+    tiny_folder: Path, tmp_path: Path
+) -> None:
+    """--constrained-fraction 0.5: half the requests carry the records schema, through both
+    fronts; none ends early (the schema cannot end before --output-len), none fails."""
+    out = tmp_path / "bench.json"
+    command = [sys.executable, "-m", "loom", "bench", "--model", str(tiny_folder), "--api", "both"]
+    command += ["--concurrency", "4", "--input-len", "8", "--output-len", "12"]
+    command += ["--constrained-fraction", "0.5", "--json", str(out)]
+    result = subprocess.run(command, capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0, result.stderr[-2000:]
+    assert "50% constrained by a JSON schema" in result.stdout
+    (run,) = json.loads(out.read_text())["runs"]
+    for front in (run["loom"], run["openai"]):
+        assert front["completed"] == 4
+        assert front["output_tokens"] == 4 * 12
+
+
 @pytest.mark.parametrize("workload", ["shared-prefix", "multi-turn"])
 def test_bench_prefix_workloads_compare_caching_on_and_off(
     workload: str, tiny_folder: Path, tmp_path: Path

@@ -37,8 +37,8 @@ def test_grammar_compiles_once_per_content_in_a_bounded_cache(smollm2_tokenizer:
 def test_grammar_masks_allow_what_the_grammar_allows(smollm2_tokenizer: Any) -> None:
     grammars = Grammars(smollm2_tokenizer, 49152, [2], ConstraintConfig())
     digits, letters = grammars.compile(regex("[0-9]{2}")), grammars.compile(regex("[a-z]{2}"))
-    mask = grammars.fill([digits, letters])
-    logits = apply_masks(torch.zeros(3, 49152), [0, 2], mask)
+    bias = grammars.fill([digits, letters])
+    logits = apply_masks(torch.zeros(3, 49152), [0, 2], bias)
     allowed = [torch.isfinite(row).nonzero()[:, 0].tolist() for row in logits]
     decode = smollm2_tokenizer.decode
     assert allowed[0]
