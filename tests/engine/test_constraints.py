@@ -149,6 +149,22 @@ async def test_constraints_json_schemas_validate_beside_free_requests_that_stay_
         assert tokens_of(out) == reference_tokens(model.model, prompts[16 + i], 12), i
 
 
+@pytest.mark.smollm2
+async def test_constraints_smollm2_schemas_validate_beside_free_requests_that_stay_exact(
+    smollm2: LoadedModel, random_prompt: Any
+) -> None:
+    """The same mixed batch on the real model: every constrained output validates, and the
+    free ones equal transformers' greedy tokens."""
+    prompts = [random_prompt(12 + i, 49152) for i in range(32)]
+    with trio.fail_after(600):
+        async with serving(smollm2, scheduler=SchedulerConfig(max_num_seqs=32)) as engine:
+            constrained, free = await mixed_batch(engine, prompts, free_tokens=8)
+            assert_idle(engine)
+    check_valid(constrained)
+    for i, out in enumerate(free):
+        assert tokens_of(out) == reference_tokens(smollm2.model, prompts[16 + i], 8), i
+
+
 async def test_constraints_hold_through_preemption_and_prefix_cache_hits(
     model: LoadedModel, random_prompt: Any
 ) -> None:

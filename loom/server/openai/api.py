@@ -31,6 +31,7 @@ from loom.server.openai.front import error_response
 from loom.server.openai.requests import chat_ask, chat_message, completion_ask, int_list
 from loom.server.openai.responses import OpenAIFraming, StreamEndedError
 from loom.server.openai.tokens import TokenTexts
+from loom.server.openai.tool_framing import ToolFraming
 from loom.server.relay import Live, Relay
 from loom.server.tenants import HEALTH_PREFIX, Tenant, Tenants
 
@@ -94,7 +95,7 @@ class OpenAIApi:
                 model = self.check_model(ask.model)
                 time_left = exchange.time_left()
                 tokenizer = self.tokenizer()
-                framing = OpenAIFraming(
+                framing = (ToolFraming if ask.tools else OpenAIFraming)(
                     ask,
                     chat=chat,
                     request_id=request_id,

@@ -10,7 +10,8 @@ return_token_ids; structured outputs, OpenAI's response_format and vLLM's struct
 (loom/server/openai/structured.py). Chat: messages (system, developer, user, assistant;
 content a string or a list of text parts). Completions: prompt (a string, strings, token ids,
 lists of token ids), echo (with logprobs, the prompt's own log-probabilities too). Refused by
-name: suffix, best_of, logit_bias, tools, functions (tool calls come next), non-text parts.
+name: suffix, best_of, logit_bias, functions and function_call (tools replace them),
+non-text parts. Chat's tools and tool_choice: loom/server/openai/tools.py.
 Unknown fields are ignored, as OpenAI's and vLLM's servers do.
 """
 
@@ -25,6 +26,7 @@ from loom.core.prompt import ChatMessage, Prompt
 from loom.core.sampling_params import SamplingParams
 from loom.server.openai.errors import invalid
 from loom.server.openai.structured import constraint_of
+from loom.server.openai.tools import ToolUse, system_message, tool_turn, tool_use_of
 from loom.server.relay import Submission
 from loom.server.wire import MAX_CHAT_MESSAGES
 
@@ -34,10 +36,8 @@ ROLES = {"system": "system", "developer": "system", "user": "user", "assistant":
 REFUSED = {
     "suffix": "suffix (insertion) is not supported",
     "logit_bias": "logit_bias is not supported",
-    "tools": "tools arrive with tool calls (not yet supported)",
-    "tool_choice": "tool_choice arrives with tool calls (not yet supported)",
-    "functions": "functions arrive with tool calls (not yet supported)",
-    "function_call": "function_call arrives with tool calls (not yet supported)",
+    "functions": "functions is replaced by tools",
+    "function_call": "function_call is replaced by tool_choice",
 }
 
 
@@ -55,6 +55,7 @@ class Ask:
     cache_salt: str
     tokens_as_ids: bool = False  # vLLM's return_tokens_as_token_ids: "token_id:N" in logprobs
     token_ids: bool = False  # vLLM's return_token_ids: each choice's token ids beside its text
+    tools: ToolUse | None = None  # chat's tools and tool_choice (loom/server/openai/tools.py)
 
     def submissions(self, tenancy: Tenancy) -> list[Submission]:
         """The engine requests, choice `index` = prompt number * n + i. With a seed, choice i
@@ -82,6 +83,9 @@ def chat_ask(body: Any, max_choices: int) -> Ask:
     if len(messages) > MAX_CHAT_MESSAGES:
         raise invalid(f"messages has {len(messages)} items; the limit is {MAX_CHAT_MESSAGES}")
     prompt = [chat_message(m, i) for i, m in enumerate(messages)]
+    tools = tool_use_of(body)
+    if tools is not None:
+        prompt = system_message(tools, prompt)
     max_tokens = optional(body, "max_completion_tokens", int)
     if max_tokens is None:
         max_tokens = optional(body, "max_tokens", int)
@@ -90,7 +94,7 @@ def chat_ask(body: Any, max_choices: int) -> Ask:
         top = optional(body, "top_logprobs", int) or 0
     elif body.get("top_logprobs") is not None:
         raise invalid("top_logprobs needs logprobs set to true", "top_logprobs")
-    return ask(body, (prompt,), max_tokens, top, max_choices, echo=False)
+    return ask(body, (prompt,), max_tokens, top, max_choices, echo=False, tools=tools)
 
 
 def completion_ask(body: Any, max_choices: int) -> Ask:
@@ -111,6 +115,7 @@ def ask(
     max_choices: int,
     *,
     echo: bool,
+    tools: ToolUse | None = None,
 ) -> Ask:
     for field, why in REFUSED.items():
         if body.get(field) not in (None, "", [], {}, "none", "auto"):
@@ -132,10 +137,16 @@ def ask(
     user = optional(body, "user", str) or ""
     if len(user) > MAX_USER_CHARS:
         raise invalid(f"user has {len(user)} characters; the limit is {MAX_USER_CHARS}")
+    sampling = sampling_of(body, max_tokens, logprobs, echo)
+    forced = tools.constraint() if tools is not None else None
+    if forced is not None:
+        if sampling.constraint is not None:
+            raise invalid("a forced tool_choice is itself the constraint", "tool_choice")
+        sampling = attrs.evolve(sampling, constraint=forced)
     return Ask(
         model=optional(body, "model", str),
         prompts=prompts,
-        sampling=sampling_of(body, max_tokens, logprobs, echo),
+        sampling=sampling,
         n=n,
         stream=stream,
         include_usage=bool(options and optional(options, "include_usage", bool)),
@@ -143,6 +154,7 @@ def ask(
         cache_salt=optional(body, "cache_salt", str) or "",
         tokens_as_ids=optional(body, "return_tokens_as_token_ids", bool) or False,
         token_ids=optional(body, "return_token_ids", bool) or False,
+        tools=tools,
     )
 
 
@@ -228,10 +240,8 @@ def chat_message(message: Any, index: int) -> ChatMessage:
     if not isinstance(message, dict):
         raise invalid(f"{where} must be an object with role and content", "messages")
     role = message.get("role")
-    if role == "tool" or message.get("tool_calls"):
-        raise invalid(
-            f"{where}: tool messages arrive with tool calls (not yet supported)", "messages"
-        )
+    if role == "tool" or (role == "assistant" and message.get("tool_calls")):
+        return tool_turn(message, where, chat_content(message.get("content") or "", where))
     if role not in ROLES:
         raise invalid(f"{where}.role must be one of {', '.join(ROLES)}, got {role!r}", "messages")
     return ChatMessage(role=ROLES[role], content=chat_content(message.get("content"), where))

@@ -1,0 +1,250 @@
+"""Tool calls through the chat API and the official `openai` client: `tool_choice` required
+and named (generated under their functions' schemas: every call parses and validates), auto
+(the Hermes parser), streaming as OpenAI streams calls, earlier calls and tool results in
+the history, and the refusals.
+
+Rules: loopback only, port 0, a timeout on every I/O test; real server, real client; the tiny
+random Llama picks whatever the mask lets through, so a schema it passes is the schema's doing.
+"""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+import jsonschema
+import pytest
+import trio
+
+from loom.model.loader import LoadedModel
+from loom.server.openai.config import HttpConfig
+from loom.server.openai.tools import HermesParser
+from tests.http_client import openai_client, post
+from tests.server_harness import serving
+
+HTTP = HttpConfig(http_port=0)
+WEATHER = {
+    "type": "object",
+    "properties": {
+        "city": {"type": "string", "maxLength": 12},
+        "unit": {"enum": ["celsius", "fahrenheit"]},
+    },
+    "required": ["city", "unit"],
+    "additionalProperties": False,
+}
+ADD = {
+    "type": "object",
+    "properties": {
+        "a": {"type": "integer", "minimum": 0, "maximum": 999},
+        "b": {"type": "integer", "minimum": 0, "maximum": 999},
+    },
+    "required": ["a", "b"],
+    "additionalProperties": False,
+}
+SCHEMAS = {"get_weather": WEATHER, "add": ADD}
+TOOLS = [
+    {"type": "function", "function": {"name": n, "description": f"{n}.", "parameters": p}}
+    for n, p in SCHEMAS.items()
+]
+ASKED = [{"role": "user", "content": "What is the weather in Paris? And 2 + 3?"}]
+
+
+def check_calls(calls: list[Any]) -> None:
+    assert calls
+    for c in calls:
+        assert c["id"].startswith("call_")
+        assert c["type"] == "function"
+        jsonschema.validate(json.loads(c["function"]["arguments"]), SCHEMAS[c["function"]["name"]])
+
+
+def streamed_calls(chunks: list[Any]) -> tuple[list[dict[str, Any]], str | None]:
+    """The calls a stream's `tool_calls` deltas add up to, as OpenAI's clients add them."""
+    calls: dict[int, dict[str, Any]] = {}
+    reason = None
+    for chunk in chunks:
+        if not chunk.choices:
+            continue
+        choice = chunk.choices[0]
+        reason = choice.finish_reason or reason
+        for delta in choice.delta.tool_calls or []:
+            found = calls.setdefault(
+                delta.index,
+                {"id": "", "type": "function", "function": {"name": "", "arguments": ""}},
+            )
+            found["id"] += delta.id or ""
+            found["function"]["name"] += delta.function.name or ""
+            found["function"]["arguments"] += delta.function.arguments or ""
+    return [calls[i] for i in sorted(calls)], reason
+
+
+async def test_tools_required_calls_all_parse_and_validate_streamed_and_whole(
+    tiny_chat: LoadedModel,
+) -> None:
+    """20 of 20 with tool_choice required (10 whole, 10 streamed; sampled, seeded)."""
+    async with serving(tiny_chat, http=HTTP) as (server, _):
+        client = openai_client(server.http_port or 0)
+
+        def ask(seed: int, stream: bool) -> Any:
+            return client.chat.completions.create(
+                model="tiny-llama",
+                messages=ASKED,  # type: ignore[arg-type]
+                tools=TOOLS,  # type: ignore[arg-type]
+                tool_choice="required",
+                parallel_tool_calls=False,
+                max_tokens=150,
+                seed=seed,
+                stream=stream,
+            )
+
+        with trio.fail_after(300):
+            whole = [await trio.to_thread.run_sync(ask, s, False) for s in range(10)]
+            streams = [
+                await trio.to_thread.run_sync(lambda s=s: list(ask(s, True))) for s in range(10)
+            ]
+    for answer in whole:
+        choice = answer.choices[0]
+        assert choice.finish_reason == "tool_calls"
+        assert choice.message.content is None
+        check_calls([c.model_dump() for c in choice.message.tool_calls])
+    for chunks in streams:
+        calls, reason = streamed_calls(chunks)
+        assert reason == "tool_calls"
+        check_calls(calls)
+
+
+async def test_tools_a_named_function_streams_its_arguments_as_they_come(
+    tiny_chat: LoadedModel,
+) -> None:
+    named = {"type": "function", "function": {"name": "add"}}
+    async with serving(tiny_chat, http=HTTP) as (server, _):
+        client = openai_client(server.http_port or 0)
+
+        def ask(stream: bool) -> Any:
+            answer = client.chat.completions.create(
+                model="tiny-llama",
+                messages=ASKED,  # type: ignore[arg-type]
+                tools=TOOLS,  # type: ignore[arg-type]
+                tool_choice=named,  # type: ignore[arg-type]
+                max_tokens=100,
+                temperature=0,
+                stream=stream,
+            )
+            return list(answer) if stream else answer
+
+        with trio.fail_after(120):
+            whole = await trio.to_thread.run_sync(ask, False)
+            chunks = await trio.to_thread.run_sync(ask, True)
+    (call,) = whole.choices[0].message.tool_calls
+    assert call.function.name == "add"
+    jsonschema.validate(json.loads(call.function.arguments), ADD)
+    assert whole.choices[0].finish_reason == "tool_calls"
+    pieces = [
+        d.function.arguments
+        for c in chunks
+        if c.choices
+        for d in c.choices[0].delta.tool_calls or []
+        if d.function.arguments
+    ]
+    assert len(pieces) > 3  # the arguments came in pieces, as generated
+    streamed, reason = streamed_calls(chunks)
+    assert reason == "tool_calls"
+    assert streamed[0]["function"] == {"name": "add", "arguments": call.function.arguments}
+
+
+async def test_tools_auto_parses_a_hermes_call_and_takes_the_history(
+    tiny_chat: LoadedModel,
+) -> None:
+    """With auto, a <tool_call> block in the answer becomes a call (the answer forced here by a
+    regex, as a model tuned on the format would write it), and a history holding an earlier
+    call and its result renders and is served."""
+    block = r'<tool_call>\n\{"name": "add", "arguments": \{"a": [0-9], "b": [0-9]\}\}\n</tool_call>'
+    history = [
+        *ASKED,
+        {
+            "role": "assistant",
+            "content": None,
+            "tool_calls": [
+                {
+                    "id": "call_1",
+                    "type": "function",
+                    "function": {"name": "add", "arguments": '{"a": 2, "b": 3}'},
+                }
+            ],
+        },
+        {"role": "tool", "tool_call_id": "call_1", "content": "5"},
+    ]
+    async with serving(tiny_chat, http=HTTP) as (server, _):
+        client = openai_client(server.http_port or 0)
+
+        def ask() -> tuple[Any, Any]:
+            forced = client.chat.completions.create(
+                model="tiny-llama",
+                messages=ASKED,  # type: ignore[arg-type]
+                tools=TOOLS,  # type: ignore[arg-type]
+                max_tokens=60,
+                extra_body={"structured_outputs": {"regex": block}},
+            )
+            followed = client.chat.completions.create(
+                model="tiny-llama",
+                messages=history,  # type: ignore[arg-type]
+                tools=TOOLS,  # type: ignore[arg-type]
+                max_tokens=5,
+                temperature=0,
+            )
+            return forced, followed
+
+        with trio.fail_after(120):
+            forced, followed = await trio.to_thread.run_sync(ask)
+    choice = forced.choices[0]
+    assert choice.finish_reason == "tool_calls"
+    (call,) = choice.message.tool_calls
+    assert call.function.name == "add"
+    jsonschema.validate(json.loads(call.function.arguments), ADD)
+    assert followed.choices[0].finish_reason == "length"
+    assert followed.choices[0].message.content
+
+
+def test_tools_hermes_parser_takes_whole_blocks_or_nothing() -> None:
+    parser = HermesParser(names={"add"})
+    content, calls = parser.parse(
+        'Sure.\n<tool_call>\n{"name": "add", "arguments": {"a": 1, "b": 2}}\n</tool_call>'
+    )
+    assert content == "Sure."
+    assert [json.loads(c["function"]["arguments"]) for c in calls] == [{"a": 1, "b": 2}]
+    for broken in (
+        '<tool_call>{"name": "add", "arguments": {"a": 1</tool_call>',  # not JSON
+        '<tool_call>{"name": "rm", "arguments": {}}</tool_call>',  # not a tool
+        "<tool_call>[1]</tool_call>",
+        "no call at all",
+    ):
+        assert parser.parse(broken) == (broken, [])
+
+
+@pytest.mark.parametrize(
+    ("extra", "param"),
+    [
+        (
+            {"tools": TOOLS, "tool_choice": {"type": "function", "function": {"name": "rm"}}},
+            "tool_choice",
+        ),
+        ({"tools": [{"type": "function", "function": {"name": "bad name"}}]}, "tools"),
+        ({"tools": [{"type": "retrieval"}]}, "tools"),
+        ({"tools": TOOLS + TOOLS}, "tools"),
+        ({"tool_choice": "required"}, "tool_choice"),
+        (
+            {"tools": TOOLS, "tool_choice": "required", "response_format": {"type": "json_object"}},
+            "tool_choice",
+        ),
+        ({"tools": TOOLS, "parallel_tool_calls": "yes"}, "parallel_tool_calls"),
+        ({"functions": [{"name": "add"}]}, "functions"),
+    ],
+)
+async def test_tools_bad_tools_are_400s_naming_the_field(
+    tiny_chat: LoadedModel, extra: dict[str, Any], param: str
+) -> None:
+    async with serving(tiny_chat, http=HTTP) as (server, _):
+        with trio.fail_after(60):
+            body = {"messages": ASKED, "max_tokens": 5, **extra}
+            status, _, raw = await post(server.http_port or 0, "/v1/chat/completions", body)
+    assert status == 400, raw
+    assert json.loads(raw)["error"]["param"] == param
