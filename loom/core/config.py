@@ -81,6 +81,12 @@ class ConstraintConfig:
         "seconds a constraint may take to compile; beyond it INVALID_ARGUMENT",
         check=in_range(0, 60, low_open=True),
     )
+    constraint_mask_timeout: float = setting(
+        0.25,
+        "seconds a constraint's first token mask may take, tried as it compiles; beyond it "
+        "INVALID_ARGUMENT (each request's matcher computes it again in a step)",
+        check=in_range(0, 60, low_open=True),
+    )
     constraint_cache_size: int = setting(
         256, "compiled constraints kept, by content, most recently used first", check=at_least(1)
     )

@@ -147,10 +147,13 @@ class Request:
         """How the last sampled token ends the request, if it does (stop strings aside)."""
         token = self.output_token_ids[-1]
         num_output = len(self.output_token_ids)
-        if self.matcher is not None and self.matcher.is_stopped():
-            # The grammar is complete (EOS was its only next token), or it failed.
-            error = self.matcher.error()
-            return RequestStatus.FINISHED_ERROR if error else RequestStatus.FINISHED_STOPPED
+        if self.matcher is not None:
+            # The grammar decides: complete (EOS was its only next token, or it took EOS
+            # where it may end), or failed; an EOS inside the grammar (a literal) is text.
+            if self.matcher.is_stopped():
+                error = self.matcher.error()
+                return RequestStatus.FINISHED_ERROR if error else RequestStatus.FINISHED_STOPPED
+            return RequestStatus.FINISHED_LENGTH if num_output >= self.max_tokens else None
         if num_output >= self.sampling.min_tokens and (
             token in self.sampling.stop_token_ids
             or (token in self.eos_token_ids and not self.sampling.ignore_eos)

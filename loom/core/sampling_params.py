@@ -78,11 +78,19 @@ class SamplingParams:
             check_range("logprobs", self.logprobs, 0, MAX_LOGPROBS)
         if self.prompt_logprobs is not None:
             check_range("prompt_logprobs", self.prompt_logprobs, 0, MAX_LOGPROBS)
-        if self.constraint is not None and (self.ignore_eos or self.min_tokens):
-            raise InvalidRequestError(
-                "ignore_eos and min_tokens cannot be combined with a constraint: its grammar "
-                "decides where the output ends"
-            )
+        if self.constraint is not None:
+            taken = {
+                "ignore_eos": self.ignore_eos,
+                "min_tokens": self.min_tokens,
+                "stop": self.stop,
+                "stop_token_ids": self.stop_token_ids,
+            }
+            for field, value in taken.items():
+                if value:
+                    raise InvalidRequestError(
+                        f"{field} cannot be combined with a constraint: its grammar decides "
+                        "where the output ends"
+                    )
 
     @property
     def greedy(self) -> bool:

@@ -24,6 +24,7 @@ admitted. A refusal found after `submit` returned ends the submission's stream w
 from __future__ import annotations
 
 import contextlib
+import time
 import uuid
 from collections.abc import Callable
 from concurrent.futures import Executor
@@ -48,6 +49,11 @@ from loom.model.loader import LoadedModel
 from loom.model.model_runner import ModelRunner
 
 Admit = Callable[["Submission", Request], None]
+# Distinct constraints compiling at once, queued ones included: an abandoned compile (past its
+# time limit) runs to its end on one of the two compile threads, so a flood of slow ones would
+# otherwise queue every later constraint behind them. Copies of one wait on the same (the
+# first compiled, the rest are cache hits; after a time-out, refused at once).
+MAX_PENDING_COMPILES = 8
 T = TypeVar("T")
 
 
@@ -222,17 +228,36 @@ class Admission:
         self.admit_tokens(submission, lambda: token_ids, admit, matcher)
 
     async def compile(self, constraint: Constraint | None) -> Matcher | None:
-        """The constraint's matcher, or InvalidRequestError: invalid, or too slow to compile."""
+        """The constraint's matcher, or why not: invalid, too slow to compile (now, or when
+        it was last asked for), or too many compiling already (RESOURCE_EXHAUSTED)."""
         if constraint is None:
             return None
         grammars = self.grammars
-        await run_on(grammars.compiling, grammars.prepare)
         timeout = self.config.constraints.constraint_compile_timeout
-        with trio.move_on_after(timeout):  # the compile is abandoned, not stopped
-            return await run_on(grammars.compiling, grammars.compile, constraint)
-        raise InvalidRequestError(
+        too_slow = InvalidRequestError(
             f"{constraint.kind.value} did not compile within constraint_compile_timeout={timeout}s"
         )
+        if constraint in grammars.too_slow:
+            raise too_slow
+        pending = grammars.pending
+        if constraint not in pending and len(pending) >= MAX_PENDING_COMPILES:
+            raise EngineOverloadedError(
+                f"{len(pending)} constraints are compiling; the limit is "
+                f"{MAX_PENDING_COMPILES} (a compile past its time limit runs to its end)"
+            )
+        pending[constraint] += 1
+        try:
+            # Once per engine, off the compile threads (which a slow compile may hold) and
+            # outside the time limit: the tokenizer as llguidance sees it (half a second).
+            await trio.to_thread.run_sync(grammars.prepare)
+            with trio.move_on_after(timeout):  # the compile is abandoned, not stopped
+                deadline = time.monotonic() + timeout
+                return await run_on(grammars.compiling, grammars.compile, constraint, deadline)
+        finally:
+            pending[constraint] -= 1
+            if not pending[constraint]:
+                del pending[constraint]
+        raise too_slow
 
     def admit_tokens(
         self,

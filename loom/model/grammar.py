@@ -20,8 +20,10 @@ from __future__ import annotations
 
 import functools
 import json
+import math
 import threading
-from collections import OrderedDict
+import time
+from collections import Counter, OrderedDict
 from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
@@ -79,6 +81,10 @@ class Grammars:
         self.lock = threading.Lock()  # compiles run in worker threads
         self.ll_tokenizer: llguidance.LLTokenizer | None = None
         self.compiled: OrderedDict[Constraint, llguidance.LLMatcher] = OrderedDict()
+        # Constraints whose compile outlasted its time limit: refused at once when they return.
+        self.too_slow: OrderedDict[Constraint, None] = OrderedDict()
+        # Compiles waited for, by constraint (the trio thread counts): distinct ones are capped.
+        self.pending: Counter[Constraint] = Counter()
         self.limits = llguidance.LLParserLimits(verbose_errors=False)
 
     # Compiles and masks run on threads of their own, with deep stacks, started on first use
@@ -112,11 +118,17 @@ class Grammars:
                 self.ll_tokenizer = llguidance.hf.from_tokenizer(self.tokenizer, n_vocab, eos)
             return self.ll_tokenizer
 
-    def compile(self, constraint: Constraint) -> GrammarMatcher:
+    def compile(self, constraint: Constraint, deadline: float = math.inf) -> GrammarMatcher:
         """A fresh matcher for `constraint`, compiled or from the cache; InvalidRequestError
-        naming what is wrong with it."""
+        naming what is wrong with it. The first mask is computed here too, on a copy: a
+        grammar that fails there, or whose lexer takes longer than constraint_mask_timeout
+        to build it (a copy does not share the lexer, so each request's first step would
+        take as long), is refused now, never cached, never in a step. One that finishes
+        past `deadline` (its caller gave up) is remembered as too slow, not cached."""
         self.check(constraint)
         with self.lock:
+            if constraint in self.too_slow:  # a copy queued behind the one that timed out
+                raise InvalidRequestError(f"{constraint.kind.value} compiled too slowly before")
             template = self.compiled.get(constraint)
             if template is not None:
                 self.compiled.move_to_end(constraint)
@@ -124,14 +136,29 @@ class Grammars:
         template = llguidance.LLMatcher(
             self.prepare(), grammar_of(constraint), log_level=0, limits=self.limits
         )
-        if template.is_error():
-            message = template.get_error()[:MAX_ERROR_CHARS]
+        first = GrammarMatcher(template.deep_copy())
+        started = time.monotonic()
+        if not template.is_error():
+            first.matcher.compute_bitmask()
+        took = time.monotonic() - started
+        message = (template.get_error() or first.matcher.get_error())[:MAX_ERROR_CHARS]
+        if message:
             raise InvalidRequestError(f"{constraint.kind.value} is not valid: {message}")
+        if took > self.config.constraint_mask_timeout:  # each copy would take as long
+            raise InvalidRequestError(
+                f"{constraint.kind.value}'s first token mask took {took:.2f}s; the limit is "
+                f"constraint_mask_timeout={self.config.constraint_mask_timeout}s"
+            )
         with self.lock:
+            if time.monotonic() > deadline:
+                self.too_slow[constraint] = None
+                while len(self.too_slow) > self.config.constraint_cache_size:
+                    self.too_slow.popitem(last=False)
+                raise InvalidRequestError(f"{constraint.kind.value} compiled too late")
             self.compiled[constraint] = template
             while len(self.compiled) > self.config.constraint_cache_size:
                 self.compiled.popitem(last=False)
-        return GrammarMatcher(template.deep_copy())
+        return first
 
     def fill(self, matchers: Sequence[GrammarMatcher]) -> torch.Tensor:
         """What each matcher allows next, as the logits' bias [len(matchers), vocab]

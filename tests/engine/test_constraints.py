@@ -18,7 +18,7 @@ import trio
 
 from loom.core.config import CacheConfig, ConstraintConfig, SchedulerConfig
 from loom.core.constraint import Constraint, ConstraintKind
-from loom.core.errors import InvalidRequestError
+from loom.core.errors import EngineOverloadedError, InvalidRequestError
 from loom.core.request_output import FinishReason, RequestOutput
 from loom.core.sampling_params import SamplingParams
 from loom.model.loader import LoadedModel
@@ -154,11 +154,17 @@ async def test_constraints_smollm2_schemas_validate_beside_free_requests_that_st
     smollm2: LoadedModel, random_prompt: Any
 ) -> None:
     """The same mixed batch on the real model: every constrained output validates, and the
-    free ones equal transformers' greedy tokens."""
+    free ones equal transformers' greedy tokens; then the regexes, greedy and sampled."""
     prompts = [random_prompt(12 + i, 49152) for i in range(32)]
     with trio.fail_after(600):
         async with serving(smollm2, scheduler=SchedulerConfig(max_num_seqs=32)) as engine:
             constrained, free = await mixed_batch(engine, prompts, free_tokens=8)
+            for r in REGEXES:
+                for i in range(2):
+                    params = sampling(Constraint(kind=ConstraintKind.REGEX, spec=r), i, 60)
+                    out = await collect(engine, "Write it:", params)
+                    assert ended(out) is FinishReason.STOP, (r, text_of(out))
+                    assert re.fullmatch(r, text_of(out)), (r, text_of(out))
             assert_idle(engine)
     check_valid(constrained)
     for i, out in enumerate(free):
@@ -304,10 +310,76 @@ async def test_constraints_a_slow_compile_is_refused_while_others_are_served(
                 "json_schema did not compile within constraint_compile_timeout=0.005s"
             ]
             assert len(tokens_of(free)) == 3
+            # The abandoned compile runs to its end, is not cached, and is remembered: asked
+            # again, the schema is refused at once.
+            grammars = engine.core.admission.grammars  # type: ignore[union-attr]
+            while slow not in grammars.too_slow:  # noqa: ASYNC110
+                await trio.sleep(0.01)
+            assert slow not in grammars.compiled
+            with pytest.raises(InvalidRequestError, match="did not compile within"):
+                await collect(engine, [1, 2, 3], sampling(slow, 0))
 
 
-def test_constraints_are_refused_with_ignore_eos_or_min_tokens() -> None:
+async def test_constraints_past_the_compiling_limit_are_refused_as_overload(
+    model: LoadedModel,
+) -> None:
+    """Nine distinct slow schemas at once: eight compile (two at a time), the ninth is refused
+    RESOURCE_EXHAUSTED at once rather than queued behind them."""
+    roomy = ConstraintConfig(
+        constraint_compile_timeout=60, constraint_mask_timeout=60, max_constraint_bytes=1 << 20
+    )
+    outcomes: list[str] = []
+
+    async def one(k: int) -> None:
+        props = {f"q{k}_{i}": {"type": "integer"} for i in range(1500)}
+        slow = Constraint(kind=ConstraintKind.JSON_SCHEMA, spec=json.dumps({"properties": props}))
+        try:
+            await collect(engine, [1, 2, 3], sampling(slow, 0, max_tokens=1))
+            outcomes.append("served")
+        except EngineOverloadedError as exc:
+            outcomes.append(str(exc))
+
+    with trio.fail_after(120):
+        async with serving(model, constraints=roomy) as engine, trio.open_nursery() as nursery:
+            for k in range(9):
+                nursery.start_soon(one, k)
+    refusal = (
+        "8 constraints are compiling; the limit is 8 (a compile past its time limit runs to "
+        "its end)"
+    )
+    assert sorted(outcomes) == sorted(["served"] * 8 + [refusal])
+
+
+def test_constraints_are_refused_with_what_would_end_an_output_elsewhere() -> None:
+    """ignore_eos, min_tokens, stop strings and stop token ids would end (or not end) an
+    output where its grammar does not: output that ends `stop` and does not parse."""
     regex = Constraint(kind=ConstraintKind.REGEX, spec="a+")
-    for extra in ({"ignore_eos": True}, {"min_tokens": 2}):
-        with pytest.raises(InvalidRequestError, match="cannot be combined with a constraint"):
-            SamplingParams(constraint=regex, **extra)  # type: ignore[arg-type]
+    for field, value in [
+        ("ignore_eos", True),
+        ("min_tokens", 2),
+        ("stop", (",",)),
+        ("stop_token_ids", (28,)),
+    ]:
+        with pytest.raises(InvalidRequestError, match=f"^{field} cannot be combined"):
+            SamplingParams(constraint=regex, **{field: value})  # type: ignore[arg-type]
+
+
+async def test_constraints_whose_first_mask_fails_are_refused_at_admission(
+    model: LoadedModel,
+) -> None:
+    """A regex whose lexer takes over a second to build its first mask (and, steps later,
+    fails after hundreds of megabytes), and a schema that can match nothing (a $ref to
+    itself): 400s at admission, none cached, none in a step; a free request is served."""
+    blowup = Constraint(kind=ConstraintKind.REGEX, spec="(a{1000}){1000}")
+    cycle = Constraint(kind=ConstraintKind.JSON_SCHEMA, spec='{"$ref": "#"}')
+    with trio.fail_after(120):
+        async with serving(model) as engine:
+            for constraint, why in [
+                (blowup, "first token mask took .*s; the limit is constraint_mask_timeout=0.25s"),
+                (cycle, "json_schema is not valid: NoExtensionBias"),
+            ]:
+                with pytest.raises(InvalidRequestError, match=why):
+                    await collect(engine, [1, 2, 3], sampling(constraint, 0))
+            free = await collect(engine, [4, 5], SamplingParams(temperature=0, max_tokens=2))
+            assert engine.core.admission.grammars  # type: ignore[union-attr].compiled == {}
+    assert len(tokens_of(free)) == 2

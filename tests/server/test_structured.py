@@ -70,6 +70,7 @@ async def test_structured_grpc_schema_regex_and_choice(tiny_chat: LoadedModel) -
         ({"regex": "a" * 70000}, "max_constraint_bytes=65536"),
         ({"json_object": False}, "json_object must be true"),
         ({"regex": "a+", "ignore_eos": True}, "cannot be combined with a constraint"),
+        ({"regex": "a+", "stop": [","]}, "stop cannot be combined with a constraint"),
     ],
 )
 async def test_structured_grpc_refusals_are_invalid_argument(

@@ -220,6 +220,41 @@ def test_tools_hermes_parser_takes_whole_blocks_or_nothing() -> None:
         assert parser.parse(broken) == (broken, [])
 
 
+def deep_tool(levels: int) -> dict[str, Any]:
+    parameters: dict[str, Any] = {"type": "integer"}
+    for _ in range(levels):
+        parameters = {"type": "object", "properties": {"a": parameters}}
+    return {"type": "function", "function": {"name": "deep", "parameters": parameters}}
+
+
+async def test_tools_a_history_with_arguments_too_deep_to_read_is_rendered(
+    tiny_chat: LoadedModel,
+) -> None:
+    """An earlier call whose arguments nest 3,000 deep (was a RecursionError: a 500) is
+    taken as the text it is: the prompt renders, and is then too long for the tiny model's
+    512-token context (a 400 about that, not a 500)."""
+    history = [
+        *ASKED,
+        {
+            "role": "assistant",
+            "tool_calls": [
+                {
+                    "id": "c",
+                    "type": "function",
+                    "function": {"name": "add", "arguments": "[" * 3000 + "]" * 3000},
+                }
+            ],
+        },
+        {"role": "tool", "tool_call_id": "c", "content": "5"},
+    ]
+    async with serving(tiny_chat, http=HTTP) as (server, _):
+        with trio.fail_after(60):
+            body = {"messages": history, "max_tokens": 2, "tools": TOOLS, "tool_choice": "none"}
+            status, _, raw = await post(server.http_port or 0, "/v1/chat/completions", body)
+    assert status == 400, raw
+    assert "exceeds the context length of 512 tokens" in json.loads(raw)["error"]["message"]
+
+
 @pytest.mark.parametrize(
     ("extra", "param"),
     [
@@ -236,6 +271,12 @@ def test_tools_hermes_parser_takes_whole_blocks_or_nothing() -> None:
             "tool_choice",
         ),
         ({"tools": TOOLS, "parallel_tool_calls": "yes"}, "parallel_tool_calls"),
+        ({"tools": TOOLS, "tool_choice": {"type": "function", "function": "add"}}, "tool_choice"),
+        (
+            {"tools": TOOLS, "tool_choice": {"type": "bogus", "function": {"name": "add"}}},
+            "tool_choice",
+        ),
+        ({"tools": [deep_tool(100)]}, "tools"),  # was a RecursionError: a 500
         ({"functions": [{"name": "add"}]}, "functions"),
     ],
 )

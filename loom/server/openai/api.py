@@ -25,11 +25,11 @@ from loom.engine.engine import Engine, EngineState
 from loom.server.boundary.config import BoundaryConfig
 from loom.server.bridge import TrioBridge
 from loom.server.openai.config import HttpConfig
-from loom.server.openai.errors import HttpError, http_errors, invalid
+from loom.server.openai.errors import HttpError, StreamEndedError, http_errors, invalid
 from loom.server.openai.exchange import Exchange, read_json
 from loom.server.openai.front import error_response
 from loom.server.openai.requests import chat_ask, chat_message, completion_ask, int_list
-from loom.server.openai.responses import OpenAIFraming, StreamEndedError
+from loom.server.openai.responses import OpenAIFraming
 from loom.server.openai.tokens import TokenTexts
 from loom.server.openai.tool_framing import ToolFraming
 from loom.server.relay import Live, Relay

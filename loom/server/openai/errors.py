@@ -75,6 +75,14 @@ class HttpError(Exception):
         return {"Retry-After": str(RETRY_AFTER_S)} if self.status == 429 else {}
 
 
+class StreamEndedError(Exception):
+    """A stream that had begun ended with an error; its error event has been sent."""
+
+    def __init__(self, error: HttpError) -> None:
+        super().__init__(error.message)
+        self.error = error
+
+
 FROM_MESSAGE = "(the message's first word)"
 
 
@@ -109,7 +117,7 @@ def http_errors() -> Iterator[None]:
         raise HttpError(
             status, exc.message or exc.status.name, code=exc.status.name.lower()
         ) from None
-    except (HttpError, ClientGoneError, asyncio.CancelledError, ConnectionError):
+    except (HttpError, StreamEndedError, ClientGoneError, asyncio.CancelledError, ConnectionError):
         raise  # an HTTP error already, or the exchange is over
     except Exception as exc:  # its message stays in the log: it may hold another client's data
         log.exception("internal error")

@@ -19,7 +19,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from loom.core.request_output import Logprobs, RequestOutput
-from loom.server.openai.errors import HttpError, finish_error, invalid
+from loom.server.openai.errors import StreamEndedError, finish_error, invalid
 from loom.server.openai.requests import Ask
 from loom.server.openai.tokens import TokenTexts
 
@@ -283,11 +283,3 @@ def offsets(tokens: Sequence[str], start: int = 0) -> list[int]:
         result.append(at)
         at += len(token)
     return result
-
-
-class StreamEndedError(Exception):
-    """A stream that had begun ended with an error; its error event has been sent."""
-
-    def __init__(self, error: HttpError) -> None:
-        super().__init__(error.message)
-        self.error = error

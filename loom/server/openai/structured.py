@@ -23,6 +23,25 @@ from loom.core.constraint import Constraint, ConstraintKind
 from loom.server.openai.errors import invalid
 
 STRUCTURED_KEYS = ("json", "regex", "choice", "grammar", "json_object")
+# JSON nesting a schema may have: llguidance's parser stops at 128 levels of the text with a
+# message that names no limit, and Python's own recursion would end deeper ones in a 500.
+MAX_SCHEMA_DEPTH = 64
+
+
+def schema_text(schema: Any, where: str, param: str) -> str:
+    """A schema object as JSON text, refused if it nests beyond MAX_SCHEMA_DEPTH."""
+    level, layer = 0, [schema]
+    while layer:  # breadth first: no recursion of ours
+        level += 1
+        if level > MAX_SCHEMA_DEPTH:
+            raise invalid(f"{where} nests deeper than {MAX_SCHEMA_DEPTH} levels", param)
+        layer = [
+            child
+            for item in layer
+            for child in (item.values() if isinstance(item, dict) else item)
+            if isinstance(child, (dict, list))
+        ]
+    return json.dumps(schema)
 
 
 def constraint_of(body: dict[str, Any]) -> Constraint | None:
@@ -51,7 +70,8 @@ def response_format(value: Any) -> Constraint | None:
                 "response_format.json_schema must be an object with a schema object",
                 "response_format",
             )
-        return Constraint(kind=ConstraintKind.JSON_SCHEMA, spec=json.dumps(spec["schema"]))
+        text = schema_text(spec["schema"], "response_format.json_schema.schema", "response_format")
+        return Constraint(kind=ConstraintKind.JSON_SCHEMA, spec=text)
     raise invalid(
         "response_format.type must be text, json_object or json_schema", "response_format"
     )
@@ -76,8 +96,14 @@ def structured_outputs(value: Any) -> Constraint | None:
             raise invalid("structured_outputs.json_object must be true", "structured_outputs")
         return Constraint(kind=ConstraintKind.JSON_OBJECT)
     if key == "json":
-        spec = json.dumps(item) if isinstance(item, dict) else item
-        return text_constraint(ConstraintKind.JSON_SCHEMA, spec, "json")
+        if isinstance(item, dict):
+            item = schema_text(item, "structured_outputs.json", "structured_outputs")
+        elif not isinstance(item, str):
+            raise invalid(
+                "structured_outputs.json must be a schema object or its JSON text",
+                "structured_outputs",
+            )
+        return Constraint(kind=ConstraintKind.JSON_SCHEMA, spec=item)
     if key == "choice":
         if not isinstance(item, list) or not all(isinstance(c, str) for c in item):
             raise invalid(

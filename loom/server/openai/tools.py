@@ -30,6 +30,7 @@ import attrs
 from loom.core.constraint import Constraint, ConstraintKind
 from loom.core.prompt import ChatMessage
 from loom.server.openai.errors import invalid
+from loom.server.openai.structured import schema_text
 
 MAX_TOOLS = 128
 NAME = re.compile(r"[A-Za-z0-9_-]{1,64}")  # OpenAI's rule for a function's name
@@ -90,10 +91,11 @@ class ToolUse:
         if self.mode == "required":
             try:
                 found = json.loads(text)
-            except ValueError:  # cut short by max_tokens
+                return None, [call(c["name"], json.dumps(c["arguments"])) for c in found]
+            except (ValueError, RecursionError, TypeError, KeyError):  # cut by max_tokens
                 return text, []
-            return None, [call(c["name"], json.dumps(c["arguments"])) for c in found]
-        return HermesParser(names={t.name for t in self.tools}).parse(text)
+        content, calls = HermesParser(names={t.name for t in self.tools}).parse(text)
+        return content, calls if self.parallel else calls[:1]
 
 
 @attrs.frozen(kw_only=True)
@@ -108,7 +110,7 @@ class HermesParser:
         for block in blocks:
             try:
                 found = json.loads(block)
-            except ValueError:
+            except (ValueError, RecursionError):
                 return text, []
             if not (
                 isinstance(found, dict)
@@ -144,7 +146,8 @@ def tool_use_of(body: dict[str, Any]) -> ToolUse | None:
     found = tuple(tool_of(t, i) for i, t in enumerate(tools))
     if len({t.name for t in found}) != len(found):
         raise invalid("tools: each function needs a name of its own", "tools")
-    parallel = body.get("parallel_tool_calls", True)
+    parallel = body.get("parallel_tool_calls")
+    parallel = True if parallel is None else parallel
     if not isinstance(parallel, bool):
         raise invalid("parallel_tool_calls must be true or false", "parallel_tool_calls")
     if choice is None or choice == "auto":
@@ -153,8 +156,10 @@ def tool_use_of(body: dict[str, Any]) -> ToolUse | None:
         return None
     if choice == "required":
         return ToolUse(tools=found, mode="required", parallel=parallel)
-    name = choice.get("function", {}).get("name") if isinstance(choice, dict) else None
-    if not isinstance(name, str) or name not in {t.name for t in found}:
+    function = choice.get("function") if isinstance(choice, dict) else None
+    name = function.get("name") if isinstance(function, dict) else None
+    named = isinstance(choice, dict) and choice.get("type") == "function"
+    if not named or not isinstance(name, str) or name not in {t.name for t in found}:
         raise invalid(
             "tool_choice must be none, auto, required or "
             '{"type": "function", "function": {"name": <one of tools>}}',
@@ -181,6 +186,7 @@ def tool_of(tool: Any, index: int) -> Tool:
             f"tools[{index}].function: parameters must be an object, description a string",
             "tools",
         )
+    schema_text(parameters, f"tools[{index}].function.parameters", "tools")
     return Tool(name=name, description=description, parameters=parameters)
 
 
@@ -207,7 +213,8 @@ def tool_turn(message: dict[str, Any], where: str, content: str) -> ChatMessage:
             raise invalid(f"{where}.tool_calls: each needs function name and arguments", "messages")
         try:  # the arguments as an object, as the model writes them
             arguments = json.loads(function["arguments"])
-        except ValueError:
+            json.dumps(arguments)  # as deep as it parsed, it must also write
+        except (ValueError, RecursionError):
             arguments = function["arguments"]
         shown = {"name": function.get("name"), "arguments": arguments}
         blocks.append(f"<tool_call>\n{json.dumps(shown, ensure_ascii=False)}\n</tool_call>")
