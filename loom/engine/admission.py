@@ -23,24 +23,21 @@ admitted. A refusal found after `submit` returned ends the submission's stream w
 
 from __future__ import annotations
 
-import contextlib
-import time
 import uuid
 from collections.abc import Callable
-from concurrent.futures import Executor
 from functools import partial
-from typing import Any, TypeVar
 
 import attrs
 import trio
 
-from loom.core.constraint import Constraint, Matcher
-from loom.core.errors import EngineOverloadedError, InvalidRequestError
+from loom.core.constraint import Matcher
+from loom.core.errors import EngineOverloadedError
 from loom.core.fair_share import Tenancy
 from loom.core.prompt import Prompt, PromptChecker, needs_tokenizer
 from loom.core.request import Request
 from loom.core.sampling_params import SamplingParams
 from loom.core.scheduler import Scheduler
+from loom.engine.compiling import compiled
 from loom.engine.config import CHARS_PER_TOKEN, EngineConfig
 from loom.engine.queue_share import PUSHED_OUT, QueueShare, queue_full
 from loom.engine.request_stream import RequestStream, in_trio
@@ -49,12 +46,6 @@ from loom.model.loader import LoadedModel
 from loom.model.model_runner import ModelRunner
 
 Admit = Callable[["Submission", Request], None]
-# Distinct constraints compiling at once, queued ones included: an abandoned compile (past its
-# time limit) runs to its end on one of the two compile threads, so a flood of slow ones would
-# otherwise queue every later constraint behind them. Copies of one wait on the same (the
-# first compiled, the rest are cache hits; after a time-out, refused at once).
-MAX_PENDING_COMPILES = 8
-T = TypeVar("T")
 
 
 @attrs.frozen(kw_only=True)
@@ -215,7 +206,7 @@ class Admission:
         """Compile the constraint and tokenise the prompt, each in a worker thread, then admit."""
         prompt = submission.prompt
         try:
-            matcher = await self.compile(submission.sampling.constraint)
+            matcher = await compiled(self.grammars, submission.sampling.constraint, self.config)
             if needs_tokenizer(prompt):
                 tokenize = partial(self.prompts.tokenize, prompt)
                 token_ids = await trio.to_thread.run_sync(tokenize, limiter=self.tokenizers)
@@ -226,38 +217,6 @@ class Admission:
                 self.refuse(submission, exc)
             return
         self.admit_tokens(submission, lambda: token_ids, admit, matcher)
-
-    async def compile(self, constraint: Constraint | None) -> Matcher | None:
-        """The constraint's matcher, or why not: invalid, too slow to compile (now, or when
-        it was last asked for), or too many compiling already (RESOURCE_EXHAUSTED)."""
-        if constraint is None:
-            return None
-        grammars = self.grammars
-        timeout = self.config.constraints.constraint_compile_timeout
-        too_slow = InvalidRequestError(
-            f"{constraint.kind.value} did not compile within constraint_compile_timeout={timeout}s"
-        )
-        if constraint in grammars.too_slow:
-            raise too_slow
-        pending = grammars.pending
-        if constraint not in pending and len(pending) >= MAX_PENDING_COMPILES:
-            raise EngineOverloadedError(
-                f"{len(pending)} constraints are compiling; the limit is "
-                f"{MAX_PENDING_COMPILES} (a compile past its time limit runs to its end)"
-            )
-        pending[constraint] += 1
-        try:
-            # Once per engine, off the compile threads (which a slow compile may hold) and
-            # outside the time limit: the tokenizer as llguidance sees it (half a second).
-            await trio.to_thread.run_sync(grammars.prepare)
-            with trio.move_on_after(timeout):  # the compile is abandoned, not stopped
-                deadline = time.monotonic() + timeout
-                return await run_on(grammars.compiling, grammars.compile, constraint, deadline)
-        finally:
-            pending[constraint] -= 1
-            if not pending[constraint]:
-                del pending[constraint]
-        raise too_slow
 
     def admit_tokens(
         self,
@@ -303,18 +262,3 @@ class Admission:
                 f"the queued prompt tokens would exceed max_waiting_tokens="
                 f"{self.config.max_waiting_tokens} ({num_queued} queued, this prompt {num_prompt})"
             )
-
-
-async def run_on(executor: Executor, fn: Callable[..., T], *args: Any) -> T:
-    """`fn(*args)` on one of `executor`'s threads; a cancel stops the wait, not `fn`."""
-    token = trio.lowlevel.current_trio_token()
-    done = trio.Event()
-
-    def wake(_: object) -> None:
-        with contextlib.suppress(trio.RunFinishedError):  # abandoned, and trio is gone
-            token.run_sync_soon(done.set)
-
-    future = executor.submit(fn, *args)
-    future.add_done_callback(wake)
-    await done.wait()
-    return future.result()
