@@ -23,7 +23,7 @@ from loom.server.openai.config import HttpConfig
 from loom.v1 import loom_pb2 as pb
 from tests.engine.test_constraints import SCHEMAS
 from tests.grpc_client import generate, in_asyncio
-from tests.http_client import openai_client, post
+from tests.http_client import events, openai_client, post
 from tests.server_harness import serving
 
 HTTP = HttpConfig(http_port=0)
@@ -146,6 +146,28 @@ async def test_structured_openai_refusals_are_400s_at_once(tiny_chat: LoadedMode
                 status, _, raw = await post(port, "/v1/chat/completions", body)
                 assert status == 400, raw
                 assert message in json.loads(raw)["error"]["message"]
+
+
+async def test_structured_a_constraint_failing_mid_stream_ends_with_an_error_event(
+    tiny_chat: LoadedModel,
+) -> None:
+    """A grammar whose lexer blows up only after 12 letters and a "!": the matcher fails
+    mid-stream; the stream ends with an error event and [DONE], and the body is whole (it
+    was cut: http_errors took the stream's end for a bug)."""
+    grammar = 'start: /[a-z]{12}/ x\nx: "!" /(f{1000}){1000}/\n'
+    body = {
+        "messages": CHAT,
+        "max_tokens": 40,
+        "stream": True,
+        "structured_outputs": {"grammar": grammar},
+    }
+    async with serving(tiny_chat, http=HTTP) as (server, _):
+        with trio.fail_after(120):
+            status, _, raw = await post(server.http_port or 0, "/v1/chat/completions", body)
+    assert status == 200
+    parsed = events(raw)  # a cut body would have raised in the client's read
+    assert parsed[-1] == "[DONE]"
+    assert "the constraint failed" in parsed[-2]["error"]["message"]
 
 
 @pytest.mark.smollm2
