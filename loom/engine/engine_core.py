@@ -142,7 +142,10 @@ class EngineCore:
             for seq in output.sequences
             if seq.sampling is not None and seq.sampling.constrained
         ]
-        return [m for m in matchers if isinstance(m, GrammarMatcher)]
+        for m in matchers:  # a row dropped here would shift every later row's mask
+            if not isinstance(m, GrammarMatcher):
+                raise TypeError(f"a constrained row's matcher is {type(m).__name__}")
+        return matchers  # type: ignore[return-value]
 
     def publish(self, request: Request, output: RequestOutput, now: float) -> None:
         """A request's new token: pushed to its stream (pausing the request when the stream is

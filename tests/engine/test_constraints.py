@@ -320,6 +320,31 @@ async def test_constraints_a_slow_compile_is_refused_while_others_are_served(
                 await collect(engine, [1, 2, 3], sampling(slow, 0))
 
 
+async def test_constraints_a_request_abandoned_while_it_compiles_is_never_admitted(
+    model: LoadedModel,
+) -> None:
+    """The client leaves while its schema compiles: the request is dropped when the compile
+    returns (never scheduled, no block taken), and the compile is no longer counted."""
+    props = {f"w{i}": {"type": "integer"} for i in range(1500)}
+    slow = Constraint(kind=ConstraintKind.JSON_SCHEMA, spec=json.dumps({"properties": props}))
+    roomy = ConstraintConfig(
+        constraint_compile_timeout=60, constraint_mask_timeout=60, max_constraint_bytes=1 << 20
+    )
+    with trio.fail_after(120):
+        async with serving(model, constraints=roomy) as engine:
+            grammars = engine.core.admission.grammars  # type: ignore[union-attr]
+            async with engine.generate([1, 2, 3], sampling(slow, 0)):
+                while not grammars.pending:  # noqa: ASYNC110 (the compile has begun)
+                    await trio.sleep(0.001)
+            # gone while it compiles
+            while grammars.pending or slow not in grammars.compiled:  # noqa: ASYNC110
+                await trio.sleep(0.01)
+            stats = engine.stats()
+            assert stats.num_running + stats.num_waiting == 0
+            assert_idle(engine)
+            assert engine.core.scheduler.num_generated_tokens == 0  # type: ignore[union-attr]
+
+
 async def test_constraints_past_the_compiling_limit_are_refused_as_overload(
     model: LoadedModel,
 ) -> None:

@@ -69,6 +69,7 @@ async def test_structured_grpc_schema_regex_and_choice(tiny_chat: LoadedModel) -
         ({"grammar": "start: x\n"}, 'unknown name: "x"'),
         ({"regex": "a" * 70000}, "max_constraint_bytes=65536"),
         ({"json_object": False}, "json_object must be true"),
+        ({"choice": pb.Choices(choices=[str(i) for i in range(257)])}, "1 to 256 choices, got 257"),
         ({"regex": "a+", "ignore_eos": True}, "cannot be combined with a constraint"),
         ({"regex": "a+", "stop": [","]}, "stop cannot be combined with a constraint"),
     ],

@@ -277,6 +277,7 @@ async def test_tools_a_history_with_arguments_too_deep_to_read_is_rendered(
             "tool_choice",
         ),
         ({"tools": [deep_tool(100)]}, "tools"),  # was a RecursionError: a 500
+        ({"tools": [{**TOOLS[0], "function": {"name": f"f{i}"}} for i in range(129)]}, "tools"),
         ({"functions": [{"name": "add"}]}, "functions"),
     ],
 )

@@ -52,7 +52,9 @@ class ToolFraming(OpenAIFraming):
         piece: dict[str, Any] = {"content": content}
         if calls:
             piece = {"tool_calls": [{"index": i, **c} for i, c in enumerate(calls)]}
-        return first + event(self.chunk([self.piece(index, piece, self.reason(finish, calls))]))
+        return first + event(
+            self.chunk([self.piece(index, piece, self.reason(finish, bool(calls)))])
+        )
 
     def whole(self) -> dict[str, Any]:
         result = super().whole()
@@ -63,6 +65,6 @@ class ToolFraming(OpenAIFraming):
                 item["finish_reason"] = "tool_calls"
         return result
 
-    def reason(self, finish: str | None, calls: Sequence[Any] = (None,)) -> str | None:
+    def reason(self, finish: str | None, calls: bool = True) -> str | None:
         """`tool_calls` for a choice that ended on its calls, else the finish as it is."""
         return "tool_calls" if finish == "stop" and calls else finish
