@@ -76,6 +76,13 @@ def add_parser(commands: Any) -> argparse.ArgumentParser:
     add("--max-tokens", type=int, default=32, help="tokens per request (default: 32)")
     add("--overload-factor", type=int, default=3, help="burst, in queue limits (default: 3)")
     add("--stop-for", type=float, default=1.0, help="seconds a stopped reader stops (default: 1)")
+    add(
+        "--stop-tokens",
+        type=int,
+        default=600,
+        help="tokens a stopped reader asks for, with 20 logprobs each: more than the server's "
+        "buffers and windows hold (default: 600)",
+    )
     add("--attack-frames", type=int, default=100_000, help="rapid-reset pairs, flood frames")
     add("--hold-connections", type=int, default=50, help="slowloris connections (default: 50)")
     add(
@@ -140,6 +147,7 @@ def settings_of(args: argparse.Namespace) -> tuple[list[str], sc.Settings, Limit
         ("--clients", args.clients, 1),
         ("--concurrency", args.concurrency, 1),
         ("--max-tokens", args.max_tokens, 1),
+        ("--stop-tokens", args.stop_tokens, 1),
         ("--overload-factor", args.overload_factor, 2),
         ("--attack-frames", args.attack_frames, 1),
         ("--hold-connections", args.hold_connections, 1),

@@ -36,6 +36,7 @@ from loom.chaos.http_clients import http_stream_once
 DEADLINES = (0.001, 0.003, 0.01, 0.03, 0.1, 0.3, 1.0, 3.0, 60.0)  # the last one is ample
 PROBE = (1, 2, 3)  # the well-behaved request: greedy, 16 tokens, EOS ignored
 PROBE_TOKENS = 16
+CANCEL_TOKENS = 256  # a cancelling client's stream: far more than its few messages carry
 
 
 @attrs.frozen(kw_only=True)
@@ -143,9 +144,13 @@ async def kill(run: Run) -> Result:
 
 
 async def cancel(run: Run) -> Result:
+    """Clients that cancel after a few messages. Their streams are long (`CANCEL_TOKENS`): a
+    server behind on its sends packs what piled up into one message, and a short stream could
+    end in fewer messages than a client waits for ("ok", not a cancel)."""
     rng, result = random.Random(run.settings.seed), Result("cancel")
+    tokens = min(max(CANCEL_TOKENS, run.settings.max_tokens), run.target.info.max_model_len - 24)
     calls = [
-        (run.message(rng), Behaviour(leave="cancel", after=rng.randint(0, 4)))
+        (run.message(rng, tokens), Behaviour(leave="cancel", after=rng.randint(0, 4)))
         for _ in range(run.settings.clients)
     ]
     await run.crowd(result, calls)

@@ -19,6 +19,14 @@ from loom.bench.serving import launched_process
 from loom.chaos.command import HOSTILE, SCENARIOS
 
 SIM = "--model sim:step_ms=1"
+# The stopped readers: streams far longer than the buffers between the engine and a reader
+# (the engine's, the server's, the kernel's, the reader's; over HTTP the server's made small),
+# and a stop long enough for the engine to fill them and pause, then for the 0.5 s stall timer
+# to end it, with steps 10-20 times slower than 1 ms. (600 tokens, the server's 64 KiB and a
+# 3 s stop were too few on one CI machine: every reader was sent its whole stream, as here
+# with steps of 8 ms.)
+STALLS = "--stall-timeout 0.5"
+STOPS = ("--stop-for", "6", "--stop-tokens", "2000")
 CHAOS = [sys.executable, "-m", "loom", "chaos", "--clients", "40", "--json"]
 
 
@@ -47,8 +55,8 @@ def passed(code: int, report: dict, names: list[str]) -> dict:  # type: ignore[t
 
 
 def test_chaos_passes_a_healthy_server_in_every_scenario() -> None:
-    serve = f"{SIM} --stall-timeout 0.5 --preface-timeout 1 --header-timeout 1"
-    code, report = chaos("--serve", serve, "--stop-for", "3", "--hold-wait", "5")
+    serve = f"{SIM} {STALLS} --preface-timeout 1 --header-timeout 1"
+    code, report = chaos("--serve", serve, *STOPS, "--hold-wait", "5")
     by_name = passed(code, report, list(SCENARIOS))
     overload = by_name["overload"]["figures"]
     (fillers, burst, refused, admitted) = overload.values()
@@ -66,8 +74,8 @@ def test_chaos_passes_a_healthy_server_in_every_scenario() -> None:
 
 
 def test_chaos_over_the_http_api_passes_every_scenario_that_applies() -> None:
-    serve = f"{SIM} --stall-timeout 0.5"
-    code, report = chaos("--api", "openai", "--serve", serve, "--stop-for", "3")
+    serve = f"{SIM} {STALLS} --write-buffer-bytes 4096"
+    code, report = chaos("--api", "openai", "--serve", serve, *STOPS)
     by_name = passed(code, report, [name for name in SCENARIOS if name not in HOSTILE])
     (fillers, burst, refused, admitted) = by_name["overload"]["figures"].values()
     assert (fillers, burst) == (64, 768)
