@@ -8,9 +8,10 @@
   embedding (its tied LM head) is Q8_0 in the file, and round-trips the same way.
 
 `BlockLinear` computes with the blocks (loom/model/kernels/blocks.cpp: activations quantised to
-int8 per block of 32, integer products) up to `BLOCK_ROWS` rows, where a step is bound by the
-bytes it reads; above, where a step is bound by arithmetic (prefill, large batches), it computes
-with the dequantised weights on the exact path, which is faster there.
+int8 per block of 32, integer products) up to `BLOCK_ROWS` rows; above (prefill, large batches)
+it computes with the dequantised weights on the exact path, which is faster there. Q4_1 is held
+repacked (`Repacked`: 8 output rows interleaved, the scales and minimums in float16, as the file
+stores them), which the kernel multiplies 8 outputs at a time.
 """
 
 from __future__ import annotations
@@ -19,11 +20,13 @@ from collections.abc import Callable
 
 import attrs
 import torch
+import torch.nn.functional as F  # noqa: N812
 
 from loom.model.kernels import load
 
 BLOCK = 32
-BLOCK_ROWS = 16  # most rows the block kernels compute: the crossover with fp32 oneDNN, measured
+BLOCK_ROWS = 32  # most rows the block kernels compute: the crossover with fp32 oneDNN, measured
+GROUP = 8  # output rows interleaved in the Q4_1 repacking
 
 
 @attrs.frozen
@@ -76,9 +79,50 @@ def unpack(blocks: Blocks) -> torch.Tensor:
     return (q * blocks.d[..., None] + blocks.m[..., None]).reshape(rows, -1)
 
 
+@attrs.frozen
+class Repacked:
+    """Q4_1 blocks of a [n, K] weight for 8 outputs at a time: `q` [G, K / 32, 128] uint8 (for
+    each group of 8 rows, G = ceil(n / 8), the last padded with zeros, and each block: the rows'
+    bytes in runs of 4, run i of every row, then run i + 1), `dm` [G, K / 32, 16] float16 (the
+    8 rows' scales, then their minimums)."""
+
+    q: torch.Tensor
+    dm: torch.Tensor
+    n: int
+
+
+def repack(blocks: Blocks) -> Repacked:
+    """Q4_1 blocks in the layout of the kernel's 8-output products (lossless: the scales and
+    minimums are float16 values already)."""
+    assert blocks.m is not None, "only Q4_1 is repacked"
+    n, half = blocks.q.shape
+    num_blocks, groups = half // (BLOCK // 2), -(-n // GROUP)
+    pad = (0, 0, 0, groups * GROUP - n)
+    q = F.pad(blocks.q, pad).reshape(groups, GROUP, num_blocks, 4, 4).permute(0, 2, 3, 1, 4)
+    scales = [
+        F.pad(t, pad).reshape(groups, GROUP, num_blocks).transpose(1, 2)
+        for t in (blocks.d, blocks.m)
+    ]
+    return Repacked(
+        q=q.reshape(groups, num_blocks, GROUP * BLOCK // 2).contiguous(),
+        dm=torch.cat(scales, dim=-1).half().contiguous(),
+        n=n,
+    )
+
+
+def unrepack(packed: Repacked) -> Blocks:
+    """The row-by-row blocks again."""
+    groups, num_blocks, _ = packed.q.shape
+    q = packed.q.reshape(groups, num_blocks, 4, GROUP, 4).permute(0, 3, 1, 2, 4)
+    dm = packed.dm.float().reshape(groups, num_blocks, 2, GROUP).permute(2, 0, 3, 1)
+    d, m = dm.reshape(2, groups * GROUP, num_blocks)
+    q = q.reshape(groups * GROUP, num_blocks * BLOCK // 2)
+    return Blocks(q=q[: packed.n].contiguous(), d=d[: packed.n], m=m[: packed.n])
+
+
 class BlockLinear:
-    """`x @ weight.T + bias` with the weight in blocks, up to BLOCK_ROWS rows; `dense` (the same
-    weight, unpacked, on the exact path) above."""
+    """`x @ weight.T + bias` with the weight in blocks (Q4_1 repacked), up to BLOCK_ROWS rows;
+    `dense` (the same weight, unpacked, on the exact path) above."""
 
     def __init__(
         self,
@@ -87,16 +131,27 @@ class BlockLinear:
         dense: Callable[[torch.Tensor], torch.Tensor],
     ) -> None:
         load()
-        self.blocks = blocks
+        self.q8 = blocks if blocks.m is None else None
+        self.q4 = repack(blocks) if blocks.m is not None else None
         self.bias = bias
         self.dense = dense
+
+    @property
+    def blocks(self) -> Blocks:
+        """The weight's blocks, row by row."""
+        if self.q4 is not None:
+            return unrepack(self.q4)
+        assert self.q8 is not None
+        return self.q8
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         if x.shape[0] > BLOCK_ROWS:
             return self.dense(x)
-        b = self.blocks
-        if b.m is None:
-            out: torch.Tensor = torch.ops.loom.q8_linear(x, b.q, b.d, self.bias)
+        out: torch.Tensor
+        if self.q4 is not None:
+            q4 = self.q4
+            out = torch.ops.loom.q4r8_linear(x, q4.q, q4.dm, q4.n, self.bias)
         else:
-            out = torch.ops.loom.q4_linear(x, b.q, b.d, b.m, self.bias)
+            assert self.q8 is not None
+            out = torch.ops.loom.q8_linear(x, self.q8.q, self.q8.d, self.bias)
         return out

@@ -11,7 +11,7 @@ from gguf import GGUFReader
 
 from loom.bench.quality import logits, runner_for
 from loom.model import kernels
-from loom.model.blocks import BLOCK, BLOCK_ROWS, BlockLinear, pack, unpack
+from loom.model.blocks import BLOCK, BLOCK_ROWS, BlockLinear, pack, repack, unpack, unrepack
 from loom.model.linear import Linear, check_method, make_linear
 from loom.model.loader import LoadedModel, default_model_path
 
@@ -29,13 +29,16 @@ def quantised_activations(x: torch.Tensor, bits: int) -> torch.Tensor:
     return (q * scale).reshape(x.shape)
 
 
-@pytest.mark.parametrize("bits", [4, 8])
-def test_blocks_kernels_compute_the_quantised_product_to_float_rounding(bits: int) -> None:
+@pytest.mark.parametrize(("bits", "outputs"), [(4, 72), (4, 70), (8, 72)])
+def test_blocks_kernels_compute_the_quantised_product_to_float_rounding(
+    bits: int, outputs: int
+) -> None:
     """Every row count up to the switch (the kernels tile rows by 4: each remainder) and one
     above it, with a bias: the product of the blocks' weights and the block-quantised
-    activations, to within float32 rounding of the output's scale (measured: up to 1.1e-5)."""
+    activations, to within float32 rounding of the output's scale (measured: up to 1.1e-5).
+    Q4_1 computes 8 outputs at a time: 70 of them leave a last group of 6."""
     torch.manual_seed(0)
-    weight, bias = torch.randn(72, 96) * torch.rand(72, 1), torch.randn(72)
+    weight, bias = torch.randn(outputs, 96) * torch.rand(outputs, 1), torch.randn(outputs)
     layer = make_linear(weight, bias, method=f"q{bits}")
     assert isinstance(layer, BlockLinear)
     dequantised = unpack(layer.blocks).double()
@@ -61,6 +64,23 @@ def test_blocks_packing_round_trips_and_stays_within_half_a_step(bits: int) -> N
     again = pack(dequantised, bits)
     assert torch.equal(again.q, blocks.q)
     assert torch.equal(unpack(again), dequantised)
+
+
+@pytest.mark.parametrize("outputs", [1, 8, 70])
+def test_blocks_q4_repacking_round_trips(outputs: int) -> None:
+    """The 8-output layout holds the blocks whole: unrepacked, the same bytes, scales and
+    minimums; and the nibbles of output 1, block 0 sit in their runs of 4."""
+    torch.manual_seed(2)
+    blocks = pack(torch.randn(outputs, 64), 4)
+    packed = repack(blocks)
+    assert packed.q.shape == (-(-outputs // 8), 2, 128)
+    again = unrepack(packed)
+    assert torch.equal(again.q, blocks.q)
+    assert torch.equal(again.d, blocks.d)
+    assert torch.equal(again.m, blocks.m)  # type: ignore[arg-type]
+    if outputs > 1:
+        runs = [packed.q[0, 0, 32 * i + 4 : 32 * i + 8] for i in range(4)]
+        assert torch.equal(torch.cat(runs), blocks.q[1, :16])
 
 
 def test_blocks_refuse_an_input_size_that_is_not_whole_blocks() -> None:
