@@ -8,10 +8,10 @@
   embedding (its tied LM head) is Q8_0 in the file, and round-trips the same way.
 
 `BlockLinear` computes with the blocks (loom/model/kernels/blocks.cpp: activations quantised to
-int8 per block of 32, integer products) up to `BLOCK_ROWS` rows; above (prefill, large batches)
-it computes with the dequantised weights on the exact path, which is faster there. Q4_1 is held
-repacked (`Repacked`: 8 output rows interleaved, the scales and minimums in float16, as the file
-stores them), which the kernel multiplies 8 outputs at a time.
+int8 per block of 32, integer products) up to `Q4_ROWS` rows (`Q8_ROWS` for Q8_0); above
+(prefill, large batches) it computes with the dequantised weights on the exact path, which is
+faster there. Q4_1 is held repacked (`Repacked`: 8 output rows interleaved, the scales and
+minimums in float16, as the file stores them), which the kernel multiplies 8 outputs at a time.
 """
 
 from __future__ import annotations
@@ -25,7 +25,11 @@ import torch.nn.functional as F  # noqa: N812
 from loom.model.kernels import load
 
 BLOCK = 32
-BLOCK_ROWS = 32  # most rows the block kernels compute: the crossover with fp32 oneDNN, measured
+# Most rows a call each block kernel computes: its crossover with fp32 oneDNN, measured (q4:
+# BENCHMARKS run O; the Q8_0 LM head's row-by-row kernel: run G).
+Q4_ROWS = 32
+Q8_ROWS = 16
+BLOCK_ROWS = min(Q4_ROWS, Q8_ROWS)  # rows every block kernel computes: a decode step's
 GROUP = 8  # output rows interleaved in the Q4_1 repacking
 
 
@@ -94,7 +98,8 @@ class Repacked:
 def repack(blocks: Blocks) -> Repacked:
     """Q4_1 blocks in the layout of the kernel's 8-output products (lossless: the scales and
     minimums are float16 values already)."""
-    assert blocks.m is not None, "only Q4_1 is repacked"
+    if blocks.m is None:
+        raise ValueError("only Q4_1 blocks are repacked")
     n, half = blocks.q.shape
     num_blocks, groups = half // (BLOCK // 2), -(-n // GROUP)
     pad = (0, 0, 0, groups * GROUP - n)
@@ -121,8 +126,8 @@ def unrepack(packed: Repacked) -> Blocks:
 
 
 class BlockLinear:
-    """`x @ weight.T + bias` with the weight in blocks (Q4_1 repacked), up to BLOCK_ROWS rows;
-    `dense` (the same weight, unpacked, on the exact path) above."""
+    """`x @ weight.T + bias` with the weight in blocks (Q4_1 repacked), up to Q4_ROWS rows
+    (Q8_0: Q8_ROWS); `dense` (the same weight, unpacked, on the exact path) above."""
 
     def __init__(
         self,
@@ -145,7 +150,7 @@ class BlockLinear:
         return self.q8
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        if x.shape[0] > BLOCK_ROWS:
+        if x.shape[0] > (Q4_ROWS if self.q4 is not None else Q8_ROWS):
             return self.dense(x)
         out: torch.Tensor
         if self.q4 is not None:

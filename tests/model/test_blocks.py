@@ -11,7 +11,17 @@ from gguf import GGUFReader
 
 from loom.bench.quality import logits, runner_for
 from loom.model import kernels
-from loom.model.blocks import BLOCK, BLOCK_ROWS, BlockLinear, pack, repack, unpack, unrepack
+from loom.model.blocks import (
+    BLOCK,
+    BLOCK_ROWS,
+    Q4_ROWS,
+    Q8_ROWS,
+    BlockLinear,
+    pack,
+    repack,
+    unpack,
+    unrepack,
+)
 from loom.model.linear import Linear, check_method, make_linear
 from loom.model.loader import LoadedModel, default_model_path
 
@@ -22,30 +32,39 @@ pytestmark = pytest.mark.skipif(
 
 def quantised_activations(x: torch.Tensor, bits: int) -> torch.Tensor:
     """What the kernels do to activations, in float64: per block of 32, int8 with scale
-    max|x| / 127 (q4 weights), or int16 with scale max|x| / 32767 (q8 weights)."""
-    blocks = x.double().reshape(x.shape[0], -1, BLOCK)
-    scale = blocks.abs().amax(dim=-1, keepdim=True) / (127 if bits == 4 else 32767)
-    q = torch.where(scale > 0, (blocks / scale.clamp(min=1e-300)).round(), 0.0)
-    return (q * scale).reshape(x.shape)
+    max|x| / 127 (q4 weights), or int16 with scale max|x| / 32767 (q8 weights).
+    The integers are rounded as the kernels round them, in float32 (x times max_q / max|x|):
+    in float64, a value a hair from a half rounds the other way, one step off."""
+    top = 127.0 if bits == 4 else 32767.0
+    blocks = x.float().reshape(x.shape[0], -1, BLOCK)
+    amax = blocks.abs().amax(dim=-1, keepdim=True)
+    # (a tensor divided, not `top / amax`: torch computes that as a reciprocal times top)
+    inverse = torch.where(amax > 0, torch.full_like(amax, top) / amax.clamp(min=1e-30), 0.0)
+    q = (blocks * inverse).round().double()
+    return (q * (amax / top).double()).reshape(x.shape)
 
 
-@pytest.mark.parametrize(("bits", "outputs"), [(4, 72), (4, 70), (8, 72)])
+@pytest.mark.parametrize(
+    ("bits", "outputs", "inputs"), [(4, 72, 96), (4, 70, 96), (4, 5, 576), (8, 72, 96)]
+)
 def test_blocks_kernels_compute_the_quantised_product_to_float_rounding(
-    bits: int, outputs: int
+    bits: int, outputs: int, inputs: int
 ) -> None:
     """Every row count up to the switch (the kernels tile rows by 4: each remainder) and one
     above it, with a bias: the product of the blocks' weights and the block-quantised
     activations, to within float32 rounding of the output's scale (measured: up to 1.1e-5).
-    Q4_1 computes 8 outputs at a time: 70 of them leave a last group of 6."""
+    Q4_1 computes 8 outputs at a time: 70 of them leave a last group of 6, 5 a lone group."""
     torch.manual_seed(0)
-    weight, bias = torch.randn(outputs, 96) * torch.rand(outputs, 1), torch.randn(outputs)
+    weight = torch.randn(outputs, inputs) * torch.rand(outputs, 1)
+    bias = torch.randn(outputs)
     layer = make_linear(weight, bias, method=f"q{bits}")
     assert isinstance(layer, BlockLinear)
     dequantised = unpack(layer.blocks).double()
-    for rows in range(1, BLOCK_ROWS + 2):
-        x = torch.randn(rows, 96) * 3
+    switch = Q4_ROWS if bits == 4 else Q8_ROWS
+    for rows in range(1, switch + 2):
+        x = torch.randn(rows, inputs) * 3
         out = layer(x)
-        if rows <= BLOCK_ROWS:
+        if rows <= switch:
             expected = quantised_activations(x, bits) @ dequantised.T + bias.double()
         else:  # above the switch: the exact path over the same weights
             expected = x.double() @ dequantised.T + bias.double()
@@ -81,6 +100,22 @@ def test_blocks_q4_repacking_round_trips(outputs: int) -> None:
     if outputs > 1:
         runs = [packed.q[0, 0, 32 * i + 4 : 32 * i + 8] for i in range(4)]
         assert torch.equal(torch.cat(runs), blocks.q[1, :16])
+
+
+def test_blocks_q4_kernel_refuses_a_layout_that_does_not_match() -> None:
+    """The op checks what it is handed: an output count of another group count, scales in
+    the wrong dtype, a bias of another shape."""
+    kernels.load()
+    packed = repack(pack(torch.randn(72, 64), 4))
+    x = torch.randn(2, 64)
+    with pytest.raises(RuntimeError, match="r8 layout for 80 outputs"):
+        torch.ops.loom.q4r8_linear(x, packed.q, packed.dm, 80, None)
+    with pytest.raises(RuntimeError, match="expected layout"):
+        torch.ops.loom.q4r8_linear(x, packed.q, packed.dm.float(), 72, None)
+    with pytest.raises(RuntimeError, match="the bias does not match"):
+        torch.ops.loom.q4r8_linear(x, packed.q, packed.dm, 72, torch.zeros(72, 1))
+    with pytest.raises(RuntimeError, match="input size 96 does not match"):
+        torch.ops.loom.q4r8_linear(torch.randn(2, 96), packed.q, packed.dm, 72, None)
 
 
 def test_blocks_refuse_an_input_size_that_is_not_whole_blocks() -> None:

@@ -199,7 +199,11 @@ async def test_http_sse_framing_is_openai_s_byte_for_byte(tiny_chat: LoadedModel
     assert all(c["object"] == "chat.completion.chunk" for c in parsed[:-1])
     assert chunks[0]["choices"][0]["delta"] == {"role": "assistant", "content": ""}
     assert all(c["usage"] is None for c in chunks)
-    assert [c["choices"][0]["finish_reason"] for c in chunks] == [None] * 5 + ["length"]
+    # A chunk a token, or fewer when the server was behind on its sends and packed what had
+    # piled up into one (CI once saw 3 chunks for the 5 tokens): only the last one finishes.
+    finishes = [c["choices"][0]["finish_reason"] for c in chunks]
+    assert finishes == [None] * (len(chunks) - 1) + ["length"]
+    assert 2 <= len(chunks) <= 6
     assert usage["choices"] == []
     assert usage["usage"]["completion_tokens"] == 5
     assert raw.count(b"data: ") == len(parsed)  # nothing but data events

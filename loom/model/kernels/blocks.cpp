@@ -11,8 +11,8 @@
 // s = max|x| / 32767 to int16 for q8 weights, so that a block's product is integer arithmetic:
 //   sum_i (d q_i + m) (s x_i) = d s sum_i q_i x_i + m (s sum_i x_i)
 // q4: AVX2's maddubs (unsigned 8 bit times signed 8 bit, pairs summed in 16 bits: at most
-// 2 * 15 * 127, no overflow), 8 of them summed in 16 bits, then madd to 32 bits. q8: madd of 16-bit pairs to 32 bits (at most
-// 4 * 127 * 32767 over a lane's four products).
+// 2 * 15 * 127, no overflow), 8 of them summed in 16 bits, then madd to 32 bits. q8: madd of
+// 16-bit pairs to 32 bits (at most 4 * 127 * 32767 over a lane's four products).
 
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
@@ -113,6 +113,18 @@ Quantised<T> quantise(const at::Tensor& x_in) {
   return {q, s, sx, {q_ptr, s.data_ptr<float>(), sx.data_ptr<float>(), k}};
 }
 
+// Weights and scales on the CPU, contiguous; a bias of n floats.
+void check_weight(const at::Tensor& wq, at::ScalarType q_type, const at::Tensor& scales,
+                  at::ScalarType scale_type, const c10::optional<at::Tensor>& bias, int64_t n) {
+  TORCH_CHECK(wq.device().is_cpu() && scales.device().is_cpu(), "block products run on the CPU");
+  TORCH_CHECK(wq.is_contiguous() && wq.scalar_type() == q_type && scales.is_contiguous() &&
+                  scales.scalar_type() == scale_type,
+              "the weight's blocks do not have the expected layout");
+  TORCH_CHECK(!bias.has_value() || (bias->dim() == 1 && bias->numel() == n &&
+                                    bias->scalar_type() == at::kFloat && bias->device().is_cpu()),
+              "the bias does not match the outputs");
+}
+
 // out [M, n] plus the bias, in x_in's shape with n outputs.
 at::Tensor finished(at::Tensor out, const at::Tensor& x_in, const c10::optional<at::Tensor>& bias) {
   if (bias.has_value()) out.add_(*bias);
@@ -156,11 +168,9 @@ at::Tensor q8_linear(const at::Tensor& x_in, const at::Tensor& wq, const at::Ten
   const Quantised<int16_t> x = quantise<int16_t>(x_in);
   const Activations<int16_t>& a = x.a;
   const int64_t rows = x.q.size(0), k = a.k, n = wd.size(0), blocks = k / kBlock;
-  TORCH_CHECK(wd.dim() == 2 && wd.size(1) == blocks, "input size ", k, " does not match the weight");
-  TORCH_CHECK(wq.is_contiguous() && wd.is_contiguous() && wd.scalar_type() == at::kFloat &&
-                  wq.element_size() == 1 && wq.numel() == n * k && wq.device().is_cpu(),
-              "the weight's blocks do not have the expected layout");
-  TORCH_CHECK(!bias.has_value() || bias->numel() == n, "the bias does not match the outputs");
+  check_weight(wq, at::kChar, wd, at::kFloat, bias, n);
+  TORCH_CHECK(wd.dim() == 2 && wd.size(1) == blocks && wq.numel() == n * k,
+              "input size ", k, " does not match the weight");
   at::Tensor out = at::empty({rows, n}, x_in.options());
   const uint8_t* wq_ptr = reinterpret_cast<const uint8_t*>(wq.data_ptr());
   const float* wd_ptr = wd.data_ptr<float>();
@@ -243,21 +253,20 @@ inline void dot_group(const Activations<int8_t>& a, int64_t r0, const uint8_t* w
 }
 
 // x [..., K] float32 times a Q4_1 weight [N, K] in the r8 layout: wq [ceil(N / 8), K / 32, 128]
-// uint8, wdm [ceil(N / 8), K / 32, 16] float16 (8 scales, 8 minimums).
+// uint8, wdm [ceil(N / 8), K / 32, 16] float16 (8 scales, 8 minimums). n is the weight's N:
+// the layout fixes only its group count, and the rows padded beyond n are never written.
 at::Tensor q4r8_linear(const at::Tensor& x_in, const at::Tensor& wq, const at::Tensor& wdm,
                        int64_t n, const c10::optional<at::Tensor>& bias) {
   const Quantised<int8_t> x = quantise<int8_t>(x_in);
   const Activations<int8_t>& a = x.a;
   const int64_t rows = x.q.size(0), k = a.k, blocks = k / kBlock;
   const int64_t groups = (n + kGroup - 1) / kGroup;
-  TORCH_CHECK(wq.dim() == 3 && wq.size(0) == groups && wq.size(1) == blocks &&
-                  wq.size(2) == kGroupBlockBytes,
-              "input size ", k, " does not match the weight");
-  TORCH_CHECK(wq.is_contiguous() && wq.element_size() == 1 && wdm.is_contiguous() &&
-                  wdm.scalar_type() == at::kHalf && wdm.numel() == groups * blocks * 16 &&
-                  wq.device().is_cpu(),
-              "the weight's blocks do not have the r8 layout");
-  TORCH_CHECK(!bias.has_value() || bias->numel() == n, "the bias does not match the outputs");
+  check_weight(wq, at::kByte, wdm, at::kHalf, bias, n);
+  TORCH_CHECK(wq.dim() == 3 && wq.size(0) == groups && wq.size(2) == kGroupBlockBytes &&
+                  wdm.dim() == 3 && wdm.size(0) == groups && wdm.size(2) == 2 * kGroup,
+              "the weight's blocks do not have the r8 layout for ", n, " outputs");
+  TORCH_CHECK(wq.size(1) == blocks && wdm.size(1) == blocks, "input size ", k,
+              " does not match the weight");
   at::Tensor out = at::empty({rows, n}, x_in.options());
   const uint8_t* wq_ptr = reinterpret_cast<const uint8_t*>(wq.data_ptr());
   const uint16_t* wdm_ptr = reinterpret_cast<const uint16_t*>(wdm.data_ptr());
