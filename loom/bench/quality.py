@@ -37,8 +37,9 @@ CHUNK = 512  # tokens scored per forward
 
 
 def chunk_for(method: str) -> int:
-    """Tokens scored per forward. q4 multiplies by its blocks only up to BLOCK_ROWS rows (a
-    decode step; more rows take the exact path), so it is scored that many tokens at a time:
+    """Tokens scored per forward. q4 multiplies by its blocks only up to a few rows (a decode
+    step; more rows take the exact path: its layers above Q4_ROWS, its LM head above
+    Q8_ROWS), so it is scored BLOCK_ROWS tokens at a time, where every layer takes its blocks:
     the arithmetic that generates its tokens."""
     return BLOCK_ROWS if method == "q4" else CHUNK
 

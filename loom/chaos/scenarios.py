@@ -84,6 +84,11 @@ class Run:
         vocab = self.target.info.vocab_size
         return request(rng, vocab, max_tokens or self.settings.max_tokens, prompt_len)
 
+    def long_message(self, rng: random.Random, max_tokens: int) -> Any:
+        """A message asking for `max_tokens`, or as many as fit beside its prompt (at most 24
+        tokens) in the model's length."""
+        return self.message(rng, min(max_tokens, self.target.info.max_model_len - 24))
+
     async def crowd(
         self, result: Result, calls: list[tuple[Any, Behaviour]], *, at_once: bool = False
     ) -> None:
@@ -148,9 +153,9 @@ async def cancel(run: Run) -> Result:
     server behind on its sends packs what piled up into one message, and a short stream could
     end in fewer messages than a client waits for ("ok", not a cancel)."""
     rng, result = random.Random(run.settings.seed), Result("cancel")
-    tokens = min(max(CANCEL_TOKENS, run.settings.max_tokens), run.target.info.max_model_len - 24)
+    tokens = max(CANCEL_TOKENS, run.settings.max_tokens)
     calls = [
-        (run.message(rng, tokens), Behaviour(leave="cancel", after=rng.randint(0, 4)))
+        (run.long_message(rng, tokens), Behaviour(leave="cancel", after=rng.randint(0, 4)))
         for _ in range(run.settings.clients)
     ]
     await run.crowd(result, calls)
@@ -187,10 +192,9 @@ async def stopped_readers(run: Run) -> Result:
     closed)."""
     rng, result = random.Random(run.settings.seed + 3), Result("stopped-readers")
     behaviour = Behaviour(leave="stop", stop_for=run.settings.stop_for)
-    tokens = min(run.settings.stop_tokens, run.target.info.max_model_len - 24)
     calls = []
     for _ in range(max(1, run.settings.clients // 4)):
-        message = run.message(rng, tokens)
+        message = run.long_message(rng, run.settings.stop_tokens)
         message.sampling.logprobs = 20
         calls.append((message, attrs.evolve(behaviour, after=rng.randint(0, 2))))
     await run.beside(result, run.crowd(result, calls))
