@@ -26,7 +26,6 @@ from loom.bench.serving import make_workload
 from loom.core.config import CacheConfig
 from loom.core.setting import at_least
 from loom.core.step import ScheduledSequence
-from loom.model.blocks import BLOCK_ROWS
 from loom.model.linear import METHODS, check_method
 from loom.model.loader import LoadedModel, load_model
 from loom.model.model_runner import ModelRunner
@@ -34,14 +33,6 @@ from loom.model.model_runner import ModelRunner
 TEXT = Path(__file__).parent / "data" / "perplexity.txt"
 BLOCK_SIZE = 16
 CHUNK = 512  # tokens scored per forward
-
-
-def chunk_for(method: str) -> int:
-    """Tokens scored per forward. q4 multiplies by its blocks only up to a few rows (a decode
-    step; more rows take the exact path: its layers above Q4_ROWS, its LM head above
-    Q8_ROWS), so it is scored BLOCK_ROWS tokens at a time, where every layer takes its blocks:
-    the arithmetic that generates its tokens."""
-    return BLOCK_ROWS if method == "q4" else CHUNK
 
 
 def add_parser(commands: Any) -> argparse.ArgumentParser:
@@ -79,9 +70,9 @@ def run(args: argparse.Namespace) -> None:
     reference = 0.0
     for method in methods:
         runner = exact if method == "none" else runner_for(loaded, method, len(text))
-        ppl = perplexity(runner, text, chunk_for(method))
+        ppl = perplexity(runner, text)
         reference = reference or ppl
-        agree, whole = agreement(runner, workload.prompts, continuations, chunk_for(method))
+        agree, whole = agreement(runner, workload.prompts, continuations)
         print(
             f"{method:>8} {ppl:>11.3f} {(ppl / reference - 1) * 100:>+7.2f}% "
             f"{agree * 100:>12.1f}% {whole:>3}/{len(continuations)}"

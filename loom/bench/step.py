@@ -54,6 +54,12 @@ def add_parser(commands: Any) -> argparse.ArgumentParser:
     add("--dtype", default="auto", help="auto (float32 on cpu, bfloat16 on cuda) or a dtype name")
     add("--quantization", default="none", choices=METHODS, help="as loom serve's (default: none)")
     add(
+        "--kv-cache-dtype",
+        default="auto",
+        choices=attrs.fields(CacheConfig).kv_cache_dtype.metadata["choices"],
+        help="as loom serve's (default: auto, the model's)",
+    )
+    add(
         "--decode-attention",
         default="in-place",
         choices=("in-place", "gather"),
@@ -77,13 +83,18 @@ def run(args: argparse.Namespace) -> None:
     blocks_per_seq = -(-(args.context + 1) // BLOCK_SIZE)
     blocks_per_prompt = -(-args.prompt_len // BLOCK_SIZE)
     num_blocks = 1 + 2 * max(blocks_per_seq * max(sizes), blocks_per_prompt * args.prefill)
-    runner = ModelRunner(loaded, CacheConfig(block_size=BLOCK_SIZE, num_blocks=num_blocks))
+    cache = CacheConfig(
+        block_size=BLOCK_SIZE, num_blocks=num_blocks, kv_cache_dtype=args.kv_cache_dtype
+    )
+    runner = ModelRunner(loaded, cache)
+    cache_dtype = runner.kv_cache_shape.dtype
     if args.decode_attention == "gather":
         runner.model.decode_in_place = False
     for layer in runner.kv_cache.k + runner.kv_cache.v:
         layer.normal_()  # written pages, as in a server that has been running
     print(
-        f"decode step, quantization {args.quantization}, decode attention "
+        f"decode step, quantization {args.quantization}, KV pool {str(cache_dtype)[6:]}, "
+        f"decode attention "
         f"{'in place' if runner.model.decode_in_place else 'over gathered blocks'}, "
         f"{args.context} tokens cached per sequence; ms, median of {args.repeats}"
     )
@@ -128,7 +139,7 @@ def decode_parts(
     model, cache = runner.model, runner.kv_cache
     step = scheduled(runner, num_seqs, context, 1)
     metadata = runner.attention_metadata(step.sequences)
-    dtype, hidden_size = model.embed.dtype, model.embed.shape[1]
+    dtype, hidden_size = model.dtype, model.hidden_size
     x = torch.randn(num_seqs, hidden_size, dtype=dtype, device=runner.device)
     intermediate = model.layers[0].gate_up(x).shape[1] // 2
     h = torch.randn(num_seqs, intermediate, dtype=dtype, device=runner.device)

@@ -31,6 +31,12 @@ class CacheConfig:
         "KV pool as a fraction of the device's free memory",
         check=in_range(0, 1, low_open=True),
     )
+    kv_cache_dtype: str = setting(
+        "auto",
+        "the KV pool's dtype: auto (the model's), or float16 (fp16) for half the bytes a token "
+        "(keys and values rounded to it as they are written)",
+        choices=("auto", "float32", "fp32", "float16", "fp16", "bfloat16", "bf16"),
+    )
     enable_prefix_caching: bool = setting(
         True, "reuse the KV blocks of prompt prefixes computed before (full blocks, LRU-evicted)"
     )

@@ -24,9 +24,10 @@ key past a query's position is masked out. Query padding repeats the sequence's 
 is dropped.
 
 Decode groups on CPU in float32 skip the gather: Loom's kernel (loom/model/kernels/step.cpp)
-reads each key and value in place through the block table, one task per sequence and KV head
-(per query head when there are few sequences). Elsewhere (GPU, other dtypes, head sizes other
-than 16, 32, 64 or 128, no compiler) every group takes the gather and SDPA.
+reads each key and value in place through the block table, from a float32 or float16 pool, one
+task per sequence and KV head (per query head when there are few sequences). Elsewhere (GPU,
+other dtypes, head sizes other than 16, 32, 64 or 128, no compiler) every group takes the
+gather and SDPA.
 """
 
 from __future__ import annotations
@@ -177,8 +178,8 @@ def write_kv(
 ) -> None:
     """Store the step's new keys and values ([T, H_kv, D]) at their slots in one layer's pool."""
     num_kv_heads, head_dim = key.shape[1], key.shape[2]
-    k_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, slot_mapping, key)
-    v_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, slot_mapping, value)
+    k_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, slot_mapping, key.to(k_cache.dtype))
+    v_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, slot_mapping, value.to(v_cache.dtype))
 
 
 def paged_attention(
@@ -209,6 +210,7 @@ def paged_attention(
         keys = k_cache.index_select(0, group.block_index).view(num_seqs, -1, num_kv_heads, head_dim)
         values = v_cache.index_select(0, group.block_index)
         values = values.view(num_seqs, -1, num_kv_heads, head_dim)
+        keys, values = keys.to(query.dtype), values.to(query.dtype)  # a float16 pool
         q = query[group.query_index].view(num_seqs, num_queries, num_kv_heads, group_size, head_dim)
         q = q.permute(0, 2, 3, 1, 4).reshape(num_seqs, num_kv_heads, group_size * num_queries, -1)
         o = F.scaled_dot_product_attention(

@@ -7,16 +7,14 @@
 - Q8_0 (8 bits): `d * q`, q in -127..127, `d = max|w| / 127` in float16. The default model's
   embedding (its tied LM head) is Q8_0 in the file, and round-trips the same way.
 
-`BlockLinear` computes with the blocks (loom/model/kernels/blocks.cpp: activations quantised to
-int8 per block of 32, integer products) up to `Q4_ROWS` rows (`Q8_ROWS` for Q8_0); above
-(prefill, large batches) it computes with the dequantised weights on the exact path, which is
-faster there. Q4_1 is held repacked (`Repacked`: 8 output rows interleaved, the scales and
-minimums in float16, as the file stores them), which the kernel multiplies 8 outputs at a time.
+`BlockLinear` computes with the blocks at every row count (loom/model/kernels/blocks.cpp:
+activations quantised per block of 32, integer products), and holds nothing else: no float copy
+of the weight. The blocks are held repacked (`Repacked`: 8 output rows interleaved, the scales
+and minimums in float16, as the file stores them), which the kernels multiply 8 outputs at a
+time.
 """
 
 from __future__ import annotations
-
-from collections.abc import Callable
 
 import attrs
 import torch
@@ -25,12 +23,8 @@ import torch.nn.functional as F  # noqa: N812
 from loom.model.kernels import load
 
 BLOCK = 32
-# Most rows a call each block kernel computes: its crossover with fp32 oneDNN, measured (q4:
-# BENCHMARKS run O; the Q8_0 LM head's row-by-row kernel: run G).
-Q4_ROWS = 32
-Q8_ROWS = 16
-BLOCK_ROWS = min(Q4_ROWS, Q8_ROWS)  # rows every block kernel computes: a decode step's
-GROUP = 8  # output rows interleaved in the Q4_1 repacking
+GROUP = 8  # output rows interleaved in the repacking
+RUN = {4: 4, 8: 2}  # bytes of a row kept together in the repacking: Q4_1, Q8_0
 
 
 @attrs.frozen
@@ -85,31 +79,45 @@ def unpack(blocks: Blocks) -> torch.Tensor:
 
 @attrs.frozen
 class Repacked:
-    """Q4_1 blocks of a [n, K] weight for 8 outputs at a time: `q` [G, K / 32, 128] uint8 (for
-    each group of 8 rows, G = ceil(n / 8), the last padded with zeros, and each block: the rows'
-    bytes in runs of 4, run i of every row, then run i + 1), `dm` [G, K / 32, 16] float16 (the
-    8 rows' scales, then their minimums)."""
+    """Blocks of a [n, K] weight for 8 outputs at a time: `q` [G, K / 32, 8 * bytes of a block
+    row] (for each group of 8 rows, G = ceil(n / 8), the last padded with zeros, and each block:
+    the rows' bytes in runs of RUN[bits], run i of every row, then run i + 1; uint8 for Q4_1,
+    int8 for Q8_0), `dm` [G, K / 32, 8 or 16] float16 (the 8 rows' scales, then for Q4_1 their
+    minimums)."""
 
     q: torch.Tensor
     dm: torch.Tensor
     n: int
 
+    @property
+    def bits(self) -> int:
+        return 4 if self.dm.shape[-1] == 2 * GROUP else 8
+
+    def rows(self, ids: torch.Tensor) -> torch.Tensor:
+        """The weight's rows `ids` ([T] int64), dequantised: [T, K] float32 (an embedding)."""
+        groups, num_blocks, _ = self.q.shape
+        group, row = ids // GROUP, ids % GROUP
+        q = self.q.view(groups, num_blocks, -1, GROUP, RUN[self.bits])[group, :, :, row]
+        dm = self.dm.view(groups, num_blocks, -1, GROUP)[group, :, :, row].float()
+        m = dm[..., 1] if self.bits == 4 else None
+        return unpack(Blocks(q=q.reshape(len(ids), -1), d=dm[..., 0], m=m))
+
 
 def repack(blocks: Blocks) -> Repacked:
-    """Q4_1 blocks in the layout of the kernel's 8-output products (lossless: the scales and
+    """Blocks in the layout of the kernels' 8-output products (lossless: the scales and
     minimums are float16 values already)."""
-    if blocks.m is None:
-        raise ValueError("only Q4_1 blocks are repacked")
-    n, half = blocks.q.shape
-    num_blocks, groups = half // (BLOCK // 2), -(-n // GROUP)
+    n, row_bytes = blocks.q.shape
+    num_blocks, groups = blocks.d.shape[1], -(-n // GROUP)
+    run = RUN[blocks.bits]
     pad = (0, 0, 0, groups * GROUP - n)
-    q = F.pad(blocks.q, pad).reshape(groups, GROUP, num_blocks, 4, 4).permute(0, 2, 3, 1, 4)
+    q = F.pad(blocks.q, pad).reshape(groups, GROUP, num_blocks, -1, run).permute(0, 2, 3, 1, 4)
     scales = [
         F.pad(t, pad).reshape(groups, GROUP, num_blocks).transpose(1, 2)
         for t in (blocks.d, blocks.m)
+        if t is not None
     ]
     return Repacked(
-        q=q.reshape(groups, num_blocks, GROUP * BLOCK // 2).contiguous(),
+        q=q.reshape(groups, num_blocks, GROUP * row_bytes // num_blocks).contiguous(),
         dm=torch.cat(scales, dim=-1).half().contiguous(),
         n=n,
     )
@@ -118,45 +126,29 @@ def repack(blocks: Blocks) -> Repacked:
 def unrepack(packed: Repacked) -> Blocks:
     """The row-by-row blocks again."""
     groups, num_blocks, _ = packed.q.shape
-    q = packed.q.reshape(groups, num_blocks, 4, GROUP, 4).permute(0, 3, 1, 2, 4)
-    dm = packed.dm.float().reshape(groups, num_blocks, 2, GROUP).permute(2, 0, 3, 1)
-    d, m = dm.reshape(2, groups * GROUP, num_blocks)
-    q = q.reshape(groups * GROUP, num_blocks * BLOCK // 2)
-    return Blocks(q=q[: packed.n].contiguous(), d=d[: packed.n], m=m[: packed.n])
+    run = RUN[packed.bits]
+    q = packed.q.reshape(groups, num_blocks, -1, GROUP, run).permute(0, 3, 1, 2, 4)
+    dm = packed.dm.float().reshape(groups, num_blocks, -1, GROUP).permute(2, 0, 3, 1)
+    scales = dm.reshape(dm.shape[0], groups * GROUP, num_blocks)[:, : packed.n]
+    q = q.reshape(groups * GROUP, -1)[: packed.n].contiguous()
+    return Blocks(q=q, d=scales[0], m=scales[1] if packed.bits == 4 else None)
 
 
 class BlockLinear:
-    """`x @ weight.T + bias` with the weight in blocks (Q4_1 repacked), up to Q4_ROWS rows
-    (Q8_0: Q8_ROWS); `dense` (the same weight, unpacked, on the exact path) above."""
+    """`x @ weight.T + bias` with the weight in blocks, repacked, at every row count."""
 
-    def __init__(
-        self,
-        blocks: Blocks,
-        bias: torch.Tensor | None,
-        dense: Callable[[torch.Tensor], torch.Tensor],
-    ) -> None:
+    def __init__(self, blocks: Blocks, bias: torch.Tensor | None = None) -> None:
         load()
-        self.q8 = blocks if blocks.m is None else None
-        self.q4 = repack(blocks) if blocks.m is not None else None
+        self.packed = repack(blocks)
         self.bias = bias
-        self.dense = dense
+        self.op = torch.ops.loom.q4r8_linear if blocks.bits == 4 else torch.ops.loom.q8r8_linear
 
     @property
     def blocks(self) -> Blocks:
         """The weight's blocks, row by row."""
-        if self.q4 is not None:
-            return unrepack(self.q4)
-        assert self.q8 is not None
-        return self.q8
+        return unrepack(self.packed)
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        if x.shape[0] > (Q4_ROWS if self.q4 is not None else Q8_ROWS):
-            return self.dense(x)
-        out: torch.Tensor
-        if self.q4 is not None:
-            q4 = self.q4
-            out = torch.ops.loom.q4r8_linear(x, q4.q, q4.dm, q4.n, self.bias)
-        else:
-            assert self.q8 is not None
-            out = torch.ops.loom.q8_linear(x, self.q8.q, self.q8.d, self.bias)
+        packed = self.packed
+        out: torch.Tensor = self.op(x, packed.q, packed.dm, packed.n, self.bias)
         return out

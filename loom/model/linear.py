@@ -15,10 +15,9 @@ and correctness oracle, or a quantised method that changes the arithmetic openly
 - `q4`: llama.cpp's Q4_1 blocks (4-bit weights with a scale and a minimum per 32) for the
   layers, Q8_0 blocks for the LM head, activations quantised to int8 per block of 32 as they
   come, in Loom's own kernels (loom/model/blocks.py). The default model's file is Q4_1 with a
-  Q8_0 embedding, so its weights are held with no loss beyond the file's own. Up to a few rows
-  (decode) the blocks are multiplied in place; above (prefill, large batches) the same weights,
-  dequantised, on the exact path. A layer whose input size is not a multiple of 32 stays
-  exact. CPU (AVX2) and float32 only.
+  Q8_0 embedding, so its weights are held with no loss beyond the file's own, and only as
+  blocks: they are multiplied in place at every row count, decode and prefill. A layer whose
+  input size is not a multiple of 32 stays exact. CPU (AVX2) and float32 only.
 """
 
 from __future__ import annotations
@@ -30,7 +29,7 @@ import torch
 import torch.nn.functional as F  # noqa: N812
 
 from loom.model import kernels
-from loom.model.blocks import BLOCK, BlockLinear, pack, unpack
+from loom.model.blocks import BLOCK, BlockLinear, pack
 
 METHODS = ("none", "int8", "q4")
 
@@ -60,8 +59,7 @@ def make_linear(
     if method in ("q4", "q8") and weight.shape[1] % BLOCK:  # not whole blocks: exact
         return Linear(weight, bias)
     if method in ("q4", "q8"):
-        blocks = pack(weight, bits=int(method[1:]))
-        return BlockLinear(blocks, bias, dense=Linear(unpack(blocks), bias))
+        return BlockLinear(pack(weight, bits=int(method[1:])), bias)
     raise ValueError(f"quantization must be one of {', '.join(METHODS)}, got {method!r}")
 
 

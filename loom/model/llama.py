@@ -12,6 +12,7 @@ tokens flat, `[T]`, with no batch axis.
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable
 from typing import Any
 
@@ -25,6 +26,7 @@ from loom.model.attention import (
     paged_attention,
     write_kv,
 )
+from loom.model.blocks import BlockLinear
 from loom.model.kv_cache import KVCache, KVCacheShape
 from loom.model.linear import LinearLayer, make_linear, method_for
 from loom.model.smoothing import calibration_ids, input_ranges, smooth
@@ -53,7 +55,14 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
 class LlamaModel:
     """The forward pass of a Llama-family causal LM, reading and writing K/V through the pool."""
 
-    def __init__(self, hf_model: Any, *, quantization: str = "none", tokenizer: Any = None) -> None:
+    def __init__(
+        self,
+        hf_model: Any,
+        *,
+        quantization: str = "none",
+        tokenizer: Any = None,
+        kv_dtype: torch.dtype | None = None,
+    ) -> None:
         config = hf_model.config
         self.num_heads: int = config.num_attention_heads
         self.num_kv_heads: int = config.num_key_value_heads
@@ -72,16 +81,17 @@ class LlamaModel:
             raise ValueError("Llama models with mlp_bias are not supported")
         self.rotary = hf_model.model.rotary_emb
         weights: dict[str, torch.Tensor] = dict(hf_model.state_dict())
+        embed = weights["model.embed_tokens.weight"]
+        self.dtype, self.device, self.hidden_size = embed.dtype, embed.device, embed.shape[1]
+        self.kv_dtype = kv_dtype or self.dtype  # the pool's: the model's, or float16
         # Copies of what is kept as loaded: transformers' tensors may be views of the memory-mapped
         # checkpoint, and keeping one keeps the whole file resident (measured: 513 MB of
         # SmolLM2's fp32 file, beside the packed weights).
-        self.embed = weights["model.embed_tokens.weight"].clone()
         self.final_norm = weights["model.norm.weight"].clone()
-        self.decode_in_place = can_decode_in_place(
-            self.embed.device, self.embed.dtype, self.head_dim
-        )
+        self.decode_in_place = can_decode_in_place(self.device, self.dtype, self.head_dim)
+        self.decode_in_place &= self.kv_dtype in (torch.float32, torch.float16)
         # Norms, rotary and the K/V write, SiLU and its product fused, where the CPU kernels run.
-        self.fused = self.decode_in_place and self.embed.shape[1] % 8 == 0
+        self.fused = self.decode_in_place and self.hidden_size % 8 == 0
         self.fused &= config.intermediate_size % 8 == 0
         if quantization == "int8":
             ids = calibration_ids(tokenizer, self.vocab_size, self.max_model_len)
@@ -98,7 +108,15 @@ class LlamaModel:
         ) -> LinearLayer:
             return make_linear(weight, bias, method=method_for(quantization, layer))
 
-        self.lm_head = linear("lm_head", weights.get("lm_head.weight", self.embed))
+        head = weights.get("lm_head.weight", embed)
+        self.lm_head = linear("lm_head", head)
+        # A tied LM head in blocks (q4: Q8_0, as the default model's file) is the embedding too:
+        # its rows are looked up there, and no float copy is kept (113 MB for SmolLM2).
+        lm_head = self.lm_head
+        if isinstance(lm_head, BlockLinear) and head.data_ptr() == embed.data_ptr():
+            self.embedding: Callable[[torch.Tensor], torch.Tensor] = lm_head.packed.rows
+        else:
+            self.embedding = functools.partial(F.embedding, weight=embed.clone())
         self.layers = [
             self.fuse_layer(weights, f"model.layers.{i}.", linear)
             for i in range(config.num_hidden_layers)
@@ -136,7 +154,7 @@ class LlamaModel:
             block_size=block_size,
             num_kv_heads=self.num_kv_heads,
             head_dim=self.head_dim,
-            dtype=self.embed.dtype,
+            dtype=self.kv_dtype,
         )
 
     def forward(
@@ -148,7 +166,7 @@ class LlamaModel:
     ) -> torch.Tensor:
         """The last layer's hidden states [T, hidden] of the step's flat tokens; their K/V are
         written to the pool on the way."""
-        hidden = F.embedding(input_ids, self.embed)
+        hidden = self.embedding(input_ids)
         cos, sin = self.rotary(hidden, positions[None])
         cos, sin = cos[0, :, None, :], sin[0, :, None, :]  # [T, 1, D]: broadcast over heads
         # transformers' `x * cos + rotate_half(x) * sin`, where rotate_half(x) = [-x2, x1]:

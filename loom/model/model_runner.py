@@ -21,7 +21,7 @@ from loom.core.request import PromptScoring
 from loom.core.request_output import Logprobs
 from loom.core.step import ModelRunnerOutput, ScheduledSequence, SchedulerOutput
 from loom.model.attention import AttentionMetadata, build_attention_metadata
-from loom.model.device import available_memory
+from loom.model.device import DTYPES, available_memory
 from loom.model.kv_cache import KVCache
 from loom.model.llama import LlamaModel
 from loom.model.loader import LoadedModel
@@ -36,8 +36,12 @@ class ModelRunner:
     def __init__(self, loaded: LoadedModel, cache: CacheConfig) -> None:
         self.device = loaded.device
         self.block_size = cache.block_size
+        kv_dtype = loaded.dtype if cache.kv_cache_dtype == "auto" else DTYPES[cache.kv_cache_dtype]
         self.model = LlamaModel(
-            loaded.model, quantization=loaded.quantization, tokenizer=loaded.tokenizer
+            loaded.model,
+            quantization=loaded.quantization,
+            tokenizer=loaded.tokenizer,
+            kv_dtype=kv_dtype,
         )
         self.kv_cache_shape = self.model.kv_cache_shape(cache.block_size)
         num_blocks = cache.num_blocks_for(
@@ -127,7 +131,7 @@ class ModelRunner:
             block_size=self.block_size,
             device=self.device,
             num_queries_per_kv=self.model.num_heads // self.model.num_kv_heads,
-            dtype=self.kv_cache_shape.dtype,
+            dtype=self.model.dtype,
             decode_in_place=self.model.decode_in_place,
         )
 

@@ -4,6 +4,11 @@ through the runner close to the exact path."""
 
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
+from pathlib import Path
+
 import numpy as np
 import pytest
 import torch
@@ -11,18 +16,8 @@ from gguf import GGUFReader
 
 from loom.bench.quality import logits, runner_for
 from loom.model import kernels
-from loom.model.blocks import (
-    BLOCK,
-    BLOCK_ROWS,
-    Q4_ROWS,
-    Q8_ROWS,
-    BlockLinear,
-    pack,
-    repack,
-    unpack,
-    unrepack,
-)
-from loom.model.linear import Linear, check_method, make_linear
+from loom.model.blocks import BLOCK, BlockLinear, pack, repack, unpack, unrepack
+from loom.model.linear import check_method, make_linear
 from loom.model.loader import LoadedModel, default_model_path
 
 pytestmark = pytest.mark.skipif(
@@ -44,32 +39,58 @@ def quantised_activations(x: torch.Tensor, bits: int) -> torch.Tensor:
     return (q * (amax / top).double()).reshape(x.shape)
 
 
-@pytest.mark.parametrize(
-    ("bits", "outputs", "inputs"), [(4, 72, 96), (4, 70, 96), (4, 5, 576), (8, 72, 96)]
-)
+# Rows: every remainder of the tiles of 4, and past the chunks of rows whose activations stay
+# in L1 (at 576 inputs: 28 rows for q4, 12 for q8). Outputs: a last group of 6 (70), a lone
+# group of 5, and more groups than one block of them in L2 (520 for q4, 300 for q8 at 576).
+ROWS = [*range(1, 10), 13, 30, 61]
+SHAPES = [(4, 72, 96), (4, 70, 96), (4, 5, 576), (4, 520, 576), (8, 72, 96), (8, 300, 576)]
+
+
+def layer_and_input(bits: int, outputs: int, inputs: int) -> tuple[BlockLinear, torch.Tensor]:
+    torch.manual_seed(0)
+    weight = torch.randn(outputs, inputs) * torch.rand(outputs, 1)
+    layer = make_linear(weight, torch.randn(outputs), method=f"q{bits}")
+    assert isinstance(layer, BlockLinear)
+    return layer, torch.randn(max(ROWS), inputs) * 3
+
+
+@pytest.mark.parametrize(("bits", "outputs", "inputs"), SHAPES)
 def test_blocks_kernels_compute_the_quantised_product_to_float_rounding(
     bits: int, outputs: int, inputs: int
 ) -> None:
-    """Every row count up to the switch (the kernels tile rows by 4: each remainder) and one
-    above it, with a bias: the product of the blocks' weights and the block-quantised
-    activations, to within float32 rounding of the output's scale (measured: up to 1.1e-5).
-    Q4_1 computes 8 outputs at a time: 70 of them leave a last group of 6, 5 a lone group."""
-    torch.manual_seed(0)
-    weight = torch.randn(outputs, inputs) * torch.rand(outputs, 1)
-    bias = torch.randn(outputs)
-    layer = make_linear(weight, bias, method=f"q{bits}")
-    assert isinstance(layer, BlockLinear)
+    """At every row count, with a bias: the product of the blocks' weights and the
+    block-quantised activations, to within float32 rounding of the output's scale (measured:
+    up to 1.1e-5). The kernels compute 8 outputs at a time, 4 rows at a time."""
+    layer, x_all = layer_and_input(bits, outputs, inputs)
     dequantised = unpack(layer.blocks).double()
-    switch = Q4_ROWS if bits == 4 else Q8_ROWS
-    for rows in range(1, switch + 2):
-        x = torch.randn(rows, inputs) * 3
+    assert layer.bias is not None
+    for rows in ROWS:
+        x = x_all[:rows]
         out = layer(x)
-        if rows <= switch:
-            expected = quantised_activations(x, bits) @ dequantised.T + bias.double()
-        else:  # above the switch: the exact path over the same weights
-            expected = x.double() @ dequantised.T + bias.double()
+        expected = quantised_activations(x, bits) @ dequantised.T + layer.bias.double()
         error = (out.double() - expected).abs().max() / expected.abs().max()
         assert float(error) < 5e-5, (rows, error)
+
+
+AVX2_SCRIPT = """
+import sys, torch
+from tests.model.test_blocks import SHAPES, layer_and_input
+torch.save([layer(x) for layer, x in (layer_and_input(*s) for s in SHAPES)], sys.argv[1])
+"""
+
+
+@pytest.mark.skipif(kernels.isa() == "avx2", reason="the tests above check the AVX2 products")
+def test_blocks_vnni_products_equal_the_avx2_ones_bit_for_bit(tmp_path: Path) -> None:
+    """Where the kernels use VNNI, the AVX2 build (LOOM_KERNELS=avx2, another process) gives
+    the same outputs to the bit: both sum the same integers exactly, then apply the same
+    float operations in the same order."""
+    env = {**os.environ, "LOOM_KERNELS": "avx2"}
+    path = tmp_path / "avx2.pt"
+    subprocess.run([sys.executable, "-c", AVX2_SCRIPT, str(path)], env=env, check=True)
+    avx2 = torch.load(path)
+    vnni = [layer(x) for layer, x in (layer_and_input(*shape) for shape in SHAPES)]
+    for shape, a, b in zip(SHAPES, avx2, vnni, strict=True):
+        assert torch.equal(a, b), shape
 
 
 @pytest.mark.parametrize("bits", [4, 8])
@@ -85,26 +106,40 @@ def test_blocks_packing_round_trips_and_stays_within_half_a_step(bits: int) -> N
     assert torch.equal(unpack(again), dequantised)
 
 
+@pytest.mark.parametrize("bits", [4, 8])
 @pytest.mark.parametrize("outputs", [1, 8, 70])
-def test_blocks_q4_repacking_round_trips(outputs: int) -> None:
-    """The 8-output layout holds the blocks whole: unrepacked, the same bytes, scales and
-    minimums; and the nibbles of output 1, block 0 sit in their runs of 4."""
+def test_blocks_repacking_round_trips(bits: int, outputs: int) -> None:
+    """The 8-output layout holds the blocks whole: unrepacked, the same bytes, scales (and
+    minimums); and the bytes of output 1, block 0 sit in their runs (4 bytes for Q4_1, 2 for
+    Q8_0)."""
     torch.manual_seed(2)
-    blocks = pack(torch.randn(outputs, 64), 4)
+    blocks = pack(torch.randn(outputs, 64), bits)
     packed = repack(blocks)
-    assert packed.q.shape == (-(-outputs // 8), 2, 128)
+    assert packed.bits == bits
+    assert packed.q.shape == (-(-outputs // 8), 2, 128 if bits == 4 else 256)
     again = unrepack(packed)
     assert torch.equal(again.q, blocks.q)
     assert torch.equal(again.d, blocks.d)
-    assert torch.equal(again.m, blocks.m)  # type: ignore[arg-type]
+    assert again.m is None if bits == 8 else torch.equal(again.m, blocks.m)  # type: ignore[arg-type]
     if outputs > 1:
-        runs = [packed.q[0, 0, 32 * i + 4 : 32 * i + 8] for i in range(4)]
-        assert torch.equal(torch.cat(runs), blocks.q[1, :16])
+        run, row_bytes = (4, 16) if bits == 4 else (2, 32)
+        at = [8 * run * i + run for i in range(row_bytes // run)]  # run i of row 1
+        runs = [packed.q[0, 0, start : start + run] for start in at]
+        assert torch.equal(torch.cat(runs), blocks.q[1, :row_bytes])
+
+
+@pytest.mark.parametrize("bits", [4, 8])
+def test_blocks_rows_are_the_weights_rows(bits: int) -> None:
+    """An embedding looked up in the repacked blocks: each row id's dequantised row, bit for
+    bit, in the order asked, repeats and the padded last group's rows included."""
+    blocks = pack(torch.randn(70, 64), bits)
+    ids = torch.tensor([69, 0, 7, 8, 69, 33, 64])
+    assert torch.equal(repack(blocks).rows(ids), unpack(blocks)[ids])
 
 
 def test_blocks_q4_kernel_refuses_a_layout_that_does_not_match() -> None:
     """The op checks what it is handed: an output count of another group count, scales in
-    the wrong dtype, a bias of another shape."""
+    the wrong dtype, a bias of another shape, Q8_0 blocks."""
     kernels.load()
     packed = repack(pack(torch.randn(72, 64), 4))
     x = torch.randn(2, 64)
@@ -116,6 +151,11 @@ def test_blocks_q4_kernel_refuses_a_layout_that_does_not_match() -> None:
         torch.ops.loom.q4r8_linear(x, packed.q, packed.dm, 72, torch.zeros(72, 1))
     with pytest.raises(RuntimeError, match="input size 96 does not match"):
         torch.ops.loom.q4r8_linear(torch.randn(2, 96), packed.q, packed.dm, 72, None)
+    q8 = repack(pack(torch.randn(72, 64), 8))
+    with pytest.raises(RuntimeError, match="expected layout"):
+        torch.ops.loom.q4r8_linear(x, q8.q, q8.dm, 72, None)
+    with pytest.raises(RuntimeError, match="r8 layout for 72 outputs"):
+        torch.ops.loom.q8r8_linear(x, q8.q.view(torch.int8), packed.dm, 72, None)
 
 
 def test_blocks_refuse_an_input_size_that_is_not_whole_blocks() -> None:
@@ -173,8 +213,8 @@ def as_if_from_a_gguf(loaded: LoadedModel) -> LoadedModel:
 
 
 def test_blocks_q4_through_the_runner_stays_close_to_the_exact_logits(tiny: LoadedModel) -> None:
-    """A 40-token prompt scored as q4 decodes (BLOCK_ROWS tokens a forward, so the kernels do
-    every product): each position's logits within 5% of the exact ones over the same weights
+    """A 40-token prompt scored as q4 prefills it, one forward, then as it decodes, a token a
+    forward: each position's logits within 5% of the exact ones over the same weights
     (relative L2 norm; measured 2.3%), the same top token at 85% of positions or more
     (measured 97.5 to 100%)."""
     loaded = as_if_from_a_gguf(tiny)
@@ -186,14 +226,10 @@ def test_blocks_q4_through_the_runner_stays_close_to_the_exact_logits(tiny: Load
     assert all(isinstance(layer.down, BlockLinear) for layer in runner.model.layers)
     assert isinstance(runner.model.lm_head, BlockLinear)
     assert runner.model.lm_head.blocks.bits == 8
-    assert isinstance(runner.model.lm_head.dense, Linear)
-    q4 = torch.cat(
-        [
-            logits(runner, prompt[: start + BLOCK_ROWS], start)
-            for start in range(0, len(prompt), BLOCK_ROWS)
-        ]
-    )
-    error = (q4 - exact).norm(dim=-1) / exact.norm(dim=-1)
-    assert float(error.max()) < 0.05, error
-    agree = (q4.argmax(dim=-1) == exact.argmax(dim=-1)).float().mean()
-    assert float(agree) >= 0.85, agree
+    prefilled = logits(runner, prompt)
+    decoded = torch.cat([logits(runner, prompt[: start + 1], start) for start in range(40)])
+    for q4 in (prefilled, decoded):
+        error = (q4 - exact).norm(dim=-1) / exact.norm(dim=-1)
+        assert float(error.max()) < 0.05, error
+        agree = (q4.argmax(dim=-1) == exact.argmax(dim=-1)).float().mean()
+        assert float(agree) >= 0.85, agree

@@ -42,10 +42,14 @@ def sdpa_decode(
 
 @pytest.mark.parametrize("head_dim", [16, 32, 64, 128])
 @pytest.mark.parametrize("num_seqs", [1, 3, 24])  # 24 x 2 KV heads: a task per KV head
-def test_kernels_decode_attention_reads_the_pool_as_sdpa_does(head_dim: int, num_seqs: int) -> None:
+@pytest.mark.parametrize("pool_dtype", [torch.float32, torch.float16])
+def test_kernels_decode_attention_reads_the_pool_as_sdpa_does(
+    head_dim: int, num_seqs: int, pool_dtype: torch.dtype
+) -> None:
+    """A float16 pool is read as its values are (SDPA over the same pool made float32)."""
     torch.manual_seed(head_dim + num_seqs)
     num_blocks, block_size, num_kv_heads, group = 40, 16, 2, 3
-    k_cache = torch.randn(num_blocks, block_size, num_kv_heads, head_dim)
+    k_cache = torch.randn(num_blocks, block_size, num_kv_heads, head_dim).to(pool_dtype)
     v_cache = torch.randn_like(k_cache)
     lens = torch.randint(1, 4 * block_size, (num_seqs,))
     lens[0] = 3 * block_size + 5  # the last block part-filled
@@ -55,7 +59,8 @@ def test_kernels_decode_attention_reads_the_pool_as_sdpa_does(head_dim: int, num
         tables[s, :used] = torch.randperm(num_blocks - 1)[:used] + 1
     q = torch.randn(num_seqs, num_kv_heads * group, head_dim)
     out = torch.ops.loom.paged_decode_attention(q, k_cache, v_cache, tables, lens, head_dim**-0.5)
-    assert torch.allclose(out, sdpa_decode(q, k_cache, v_cache, tables, lens), atol=1e-5)
+    expected = sdpa_decode(q, k_cache.float(), v_cache.float(), tables, lens)
+    assert torch.allclose(out, expected, atol=1e-5)
 
 
 def test_kernels_decode_attention_refuses_a_table_entry_out_of_range() -> None:
@@ -79,20 +84,25 @@ def test_kernels_add_rms_norm_adds_in_place_and_normalises() -> None:
     assert torch.allclose(alone, rms_norm(x, weight, 1e-5), rtol=1e-5, atol=1e-6)
 
 
-def test_kernels_rotary_write_kv_is_the_torch_arithmetic_bit_for_bit() -> None:
+@pytest.mark.parametrize("pool_dtype", [torch.float32, torch.float16])
+def test_kernels_rotary_write_kv_is_the_torch_arithmetic_bit_for_bit(
+    pool_dtype: torch.dtype,
+) -> None:
+    """Into a float16 pool, k and v rounded as torch rounds them (`.half()`)."""
     torch.manual_seed(0)
     tokens, heads, kv_heads, dim = 5, 4, 2, 32
     qkv = torch.randn(tokens, (heads + 2 * kv_heads) * dim)
     cos, sin = torch.randn(tokens, 1, dim), torch.randn(tokens, 1, dim)
-    k_cache, v_cache = torch.zeros(3, 4, kv_heads, dim), torch.zeros(3, 4, kv_heads, dim)
+    k_cache = torch.zeros(3, 4, kv_heads, dim, dtype=pool_dtype)
+    v_cache = torch.zeros_like(k_cache)
     slots = torch.tensor([9, 0, 4, 11, 5])
     q = torch.ops.loom.rotary_write_kv(qkv, cos, sin, slots, k_cache, v_cache, heads)
     qk = qkv[:, : (heads + kv_heads) * dim].view(tokens, -1, dim)
     qk = qk * cos + qk.roll(dim // 2, dims=-1) * sin
     assert torch.equal(q, qk[:, :heads])
-    assert torch.equal(k_cache.view(-1, kv_heads, dim)[slots], qk[:, heads:])
+    assert torch.equal(k_cache.view(-1, kv_heads, dim)[slots], qk[:, heads:].to(pool_dtype))
     v = qkv[:, (heads + kv_heads) * dim :].view(tokens, kv_heads, dim)
-    assert torch.equal(v_cache.view(-1, kv_heads, dim)[slots], v)
+    assert torch.equal(v_cache.view(-1, kv_heads, dim)[slots], v.to(pool_dtype))
     with pytest.raises(RuntimeError, match="slot out of range"):
         torch.ops.loom.rotary_write_kv(qkv, cos, sin, slots + 3, k_cache, v_cache, heads)
 

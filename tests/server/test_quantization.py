@@ -48,9 +48,13 @@ async def test_quantization_serves_streams_to_their_length(
 async def test_quantization_smollm2_still_knows_the_capital_of_france(
     smollm2: LoadedModel, method: str
 ) -> None:
+    """Asked so that the exact path's answer is no near-tie: to "What is the capital of
+    France?" SmolLM2's first token is "The" by 0.08 logits over "L", and q4 (whose prefill is
+    in the blocks too) says "L'Étoile, ...", as llama.cpp's server does on the same file
+    (measured: its top three are L, The, La, as q4's)."""
     question = pb.GenerateRequest(
         messages=pb.ChatMessages(
-            messages=[pb.ChatMessage(role="user", content="What is the capital of France?")]
+            messages=[pb.ChatMessage(role="user", content="Name the capital of France.")]
         ),
         sampling=pb.SamplingParams(temperature=0, max_tokens=20),
     )

@@ -3,9 +3,9 @@
 //
 // Weights come in blocks of 32 along the input axis, as in llama.cpp's files:
 //   q4: w = d * q + m, q in 0..15. Per block: 16 bytes, byte j holding q[j] (low nibble) and
-//       q[j + 16] (high nibble), repacked 8 outputs at a time (the r8 layout, below), d and m
-//       in float16.
-//   q8: w = d * q, q in -127..127. Per block: 32 int8; d in float32 [N, K / 32].
+//       q[j + 16] (high nibble); d and m in float16.
+//   q8: w = d * q, q in -127..127. Per block: 32 int8; d in float16.
+// Both are repacked 8 outputs at a time (the r8 layout, below).
 // Activations are quantised as they come, per row and per block of 32, with one scale
 // s = max|x| / 127 to int8 for q4 weights (llama.cpp's Q8_1 for the activations), and
 // s = max|x| / 32767 to int16 for q8 weights, so that a block's product is integer arithmetic:
@@ -23,14 +23,10 @@
 #include <cstdint>
 #include <cstring>
 
-#include "vec.h"
-
 namespace {
 
 constexpr int64_t kBlock = 32;
 constexpr int64_t kRowTile = 4;  // activation rows sharing one unpacked weight block
-
-using loom::hsum;
 
 // x [M, K] float32 -> q [M, K] int8 (T = int8_t) or int16 (T = int16_t), per block of 32 with
 // scale s = max|x| / 127 (or / 32767) in s [M, K / 32], and s * sum q in sx [M, K / 32].
@@ -133,111 +129,109 @@ at::Tensor finished(at::Tensor out, const at::Tensor& x_in, const c10::optional<
   return out.view(shape);
 }
 
-// The int32 partial sums (8 lanes) of one block: q8 weights times int16 activations.
-inline __m256i block_dot(__m256i w, const int16_t* x) {
-  const __m256i w_low = _mm256_cvtepi8_epi16(_mm256_castsi256_si128(w));
-  const __m256i w_high = _mm256_cvtepi8_epi16(_mm256_extracti128_si256(w, 1));
-  const __m256i* xv = reinterpret_cast<const __m256i*>(x);
-  return _mm256_add_epi32(_mm256_madd_epi16(w_low, _mm256_loadu_si256(xv)),
-                          _mm256_madd_epi16(w_high, _mm256_loadu_si256(xv + 1)));
-}
-
-// out[r, n] for rows r0 .. r0 + R - 1 and one output n: q8 weights, int16 activations.
-template <int R>
-inline void dot_rows(const Activations<int16_t>& a, int64_t r0, const uint8_t* wq,
-                     const float* wd, float* out, int64_t out_stride) {
-  const int64_t blocks = a.k / kBlock;
-  __m256 acc[R];
-  for (int t = 0; t < R; ++t) acc[t] = _mm256_setzero_ps();
-  for (int64_t b = 0; b < blocks; ++b) {
-    const __m256i w = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(wq + b * kBlock));
-    const float d = wd[b];
-    for (int t = 0; t < R; ++t) {
-      const int64_t row = r0 + t;
-      const __m256 f = _mm256_cvtepi32_ps(block_dot(w, a.q + row * a.k + b * kBlock));
-      acc[t] = _mm256_fmadd_ps(_mm256_set1_ps(d * a.s[row * blocks + b]), f, acc[t]);
-    }
-  }
-  for (int t = 0; t < R; ++t) out[(r0 + t) * out_stride] = hsum(acc[t]);
-}
-
-// x [..., K] float32 times a Q8_0 weight, row by row (the LM head): wq [N, K] int8, wd
-// [N, K / 32] float32.
-at::Tensor q8_linear(const at::Tensor& x_in, const at::Tensor& wq, const at::Tensor& wd,
-                     const c10::optional<at::Tensor>& bias) {
-  const Quantised<int16_t> x = quantise<int16_t>(x_in);
-  const Activations<int16_t>& a = x.a;
-  const int64_t rows = x.q.size(0), k = a.k, n = wd.size(0), blocks = k / kBlock;
-  check_weight(wq, at::kChar, wd, at::kFloat, bias, n);
-  TORCH_CHECK(wd.dim() == 2 && wd.size(1) == blocks && wq.numel() == n * k,
-              "input size ", k, " does not match the weight");
-  at::Tensor out = at::empty({rows, n}, x_in.options());
-  const uint8_t* wq_ptr = reinterpret_cast<const uint8_t*>(wq.data_ptr());
-  const float* wd_ptr = wd.data_ptr<float>();
-  float* out_ptr = out.data_ptr<float>();
-  at::parallel_for(0, n, 16, [&](int64_t begin, int64_t end) {
-    for (int64_t j = begin; j < end; ++j) {
-      const uint8_t* wrow = wq_ptr + j * k;
-      const float* drow = wd_ptr + j * blocks;
-      int64_t r = 0;
-      for (; r + kRowTile <= rows; r += kRowTile)
-        dot_rows<kRowTile>(a, r, wrow, drow, out_ptr + j, n);
-      switch (rows - r) {
-        case 3: dot_rows<3>(a, r, wrow, drow, out_ptr + j, n); break;
-        case 2: dot_rows<2>(a, r, wrow, drow, out_ptr + j, n); break;
-        case 1: dot_rows<1>(a, r, wrow, drow, out_ptr + j, n); break;
-        default: break;
-      }
-    }
-  });
-  return finished(out, x_in, bias);
-}
-
-// Q4_1 repacked for 8 outputs at once (the r8 layout, made at load by loom/model/blocks.py):
-// for each group of 8 output rows and each block of 32 inputs, 128 bytes of nibbles, then the
-// group's 8 scales and 8 minimums in float16 (as the file holds them). The nibbles are the
-// file's bytes rearranged in runs of 4: chunk i (32 bytes, i = 0..3) holds, for each row r,
-// the row's bytes 4i..4i+3, whose low nibbles are the weights 4i..4i+3 and high nibbles the
-// weights 16+4i..16+4i+3. So one maddubs of a chunk's low nibbles against 4 activations
-// broadcast gives, in lane r, row r's products with them, and no horizontal sum is needed:
-// 8 maddubs summed in int16 (at most 8 * 2 * 15 * 127 = 30480), one madd to 8 int32 outputs,
-// the scale and the minimum applied once per block for 8 outputs.
+// Both formats are repacked at load (loom/model/blocks.py) for 8 outputs at a time: for each
+// group of 8 output rows and each block of 32 inputs, the rows' bytes interleaved in runs, then
+// the group's 8 scales (and, for q4, 8 minimums) in float16, as the file holds them. So one
+// product of a run against activations broadcast gives, in lane r, row r's partial sum: no
+// horizontal sum, the scales applied once per block for 8 outputs, 8 outputs stored at once.
+//   q4: runs of 4 bytes, 128 bytes a group's block: run i holds, for each row, the row's bytes
+//       4i..4i+3, whose low nibbles are the weights 4i..4i+3 and high nibbles 16+4i..16+4i+3.
+//       AVX2: maddubs against 4 int8 activations broadcast, 8 of them summed in int16 (at most
+//       8 * 2 * 15 * 127 = 30480), one madd to int32. VNNI: dpbusd straight to int32.
+//   q8: runs of 2 bytes, 256 bytes a group's block, widened to int16 and multiplied by madd
+//       (VNNI: dpwssd) against 2 int16 activations broadcast.
 constexpr int64_t kGroup = 8;
-constexpr int64_t kGroupBlockBytes = kGroup * kBlock / 2;
 
-template <int R>
-inline void dot_group(const Activations<int8_t>& a, int64_t r0, const uint8_t* wq,
-                      const uint16_t* wdm, float* out, int64_t out_stride, int64_t valid) {
-  const int64_t blocks = a.k / kBlock;
-  const __m256i low = _mm256_set1_epi8(0x0F);
-  const __m256i ones = _mm256_set1_epi16(1);
-  __m256 acc[R];
-  for (int t = 0; t < R; ++t) acc[t] = _mm256_setzero_ps();
-  for (int64_t b = 0; b < blocks; ++b) {
-    const uint8_t* wb = wq + b * kGroupBlockBytes;
-    __m256i sum[R];
-    for (int t = 0; t < R; ++t) sum[t] = _mm256_setzero_si256();
+#if defined(__AVX512VNNI__) && defined(__AVX512VL__)
+inline __m256i dot_u8(__m256i sum, __m256i w, __m256i x) { return _mm256_dpbusd_epi32(sum, w, x); }
+inline __m256i dot_s16(__m256i sum, __m256i w, __m256i x) { return _mm256_dpwssd_epi32(sum, w, x); }
+inline __m256i widen_u8(__m256i sum) { return sum; }
+inline __m256i add_sums(__m256i a, __m256i b) { return _mm256_add_epi32(a, b); }
+#else
+inline __m256i dot_u8(__m256i sum, __m256i w, __m256i x) {
+  return _mm256_add_epi16(sum, _mm256_maddubs_epi16(w, x));
+}
+inline __m256i dot_s16(__m256i sum, __m256i w, __m256i x) {
+  return _mm256_add_epi32(sum, _mm256_madd_epi16(w, x));
+}
+inline __m256i widen_u8(__m256i sum) { return _mm256_madd_epi16(sum, _mm256_set1_epi16(1)); }
+inline __m256i add_sums(__m256i a, __m256i b) { return _mm256_add_epi16(a, b); }  // <= 30480
+#endif
+
+inline __m256i broadcast32(const void* p) {
+  int32_t v;
+  std::memcpy(&v, p, 4);
+  return _mm256_set1_epi32(v);
+}
+
+// The two formats: the bytes and scales of a group's block, and its int32 sums for R rows.
+struct Q4 {
+  using Act = int8_t;
+  static constexpr int64_t kBytes = kGroup * kBlock / 2, kScales = 2 * kGroup;
+  static constexpr at::ScalarType kType = at::kByte;
+  template <int R>
+  static void sums(const uint8_t* wb, const int8_t* const* x, __m256i* sum) {
+    // Two sums a row, the low nibbles' and the high ones', so that the chains of dependent
+    // dot products are half as long (VNNI's dpbusd has a latency of 5 cycles).
+    const __m256i low = _mm256_set1_epi8(0x0F);
+    __m256i high[R];
+    for (int t = 0; t < R; ++t) sum[t] = high[t] = _mm256_setzero_si256();
     for (int i = 0; i < 4; ++i) {
       const __m256i p = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(wb + 32 * i));
       const __m256i lo = _mm256_and_si256(p, low);
       const __m256i hi = _mm256_and_si256(_mm256_srli_epi16(p, 4), low);
       for (int t = 0; t < R; ++t) {
-        const int8_t* xb = a.q + (r0 + t) * a.k + b * kBlock;
-        int32_t x_lo, x_hi;
-        std::memcpy(&x_lo, xb + 4 * i, 4);
-        std::memcpy(&x_hi, xb + 16 + 4 * i, 4);
-        sum[t] = _mm256_add_epi16(sum[t], _mm256_maddubs_epi16(lo, _mm256_set1_epi32(x_lo)));
-        sum[t] = _mm256_add_epi16(sum[t], _mm256_maddubs_epi16(hi, _mm256_set1_epi32(x_hi)));
+        sum[t] = dot_u8(sum[t], lo, broadcast32(x[t] + 4 * i));
+        high[t] = dot_u8(high[t], hi, broadcast32(x[t] + 16 + 4 * i));
       }
     }
-    const __m128i* dm = reinterpret_cast<const __m128i*>(wdm + b * 2 * kGroup);
-    const __m256 d = _mm256_cvtph_ps(_mm_loadu_si128(dm));
-    const __m256 m = _mm256_cvtph_ps(_mm_loadu_si128(dm + 1));
+    for (int t = 0; t < R; ++t) sum[t] = widen_u8(add_sums(sum[t], high[t]));
+  }
+};
+
+struct Q8 {
+  using Act = int16_t;
+  static constexpr int64_t kBytes = kGroup * kBlock, kScales = kGroup;
+  static constexpr at::ScalarType kType = at::kChar;
+  template <int R>
+  static void sums(const uint8_t* wb, const int16_t* const* x, __m256i* sum) {
+    __m256i odd[R];  // two sums a row, as for Q4
+    for (int t = 0; t < R; ++t) sum[t] = odd[t] = _mm256_setzero_si256();
+    for (int i = 0; i < 16; i += 2) {
+      const __m128i* w = reinterpret_cast<const __m128i*>(wb + 16 * i);
+      const __m256i w0 = _mm256_cvtepi8_epi16(_mm_loadu_si128(w));
+      const __m256i w1 = _mm256_cvtepi8_epi16(_mm_loadu_si128(w + 1));
+      for (int t = 0; t < R; ++t) {
+        sum[t] = dot_s16(sum[t], w0, broadcast32(x[t] + 2 * i));
+        odd[t] = dot_s16(odd[t], w1, broadcast32(x[t] + 2 * i + 2));
+      }
+    }
+    for (int t = 0; t < R; ++t) sum[t] = _mm256_add_epi32(sum[t], odd[t]);
+  }
+};
+
+// out[r0 .. r0 + R - 1, the group's `valid` outputs] for one group of weights.
+template <typename F, int R>
+inline void dot_group(const Activations<typename F::Act>& a, int64_t r0, const uint8_t* wq,
+                      const uint16_t* wdm, float* out, int64_t out_stride, int64_t valid) {
+  const int64_t blocks = a.k / kBlock;
+  __m256 acc[R];
+  for (int t = 0; t < R; ++t) acc[t] = _mm256_setzero_ps();
+  for (int64_t b = 0; b < blocks; ++b) {
+    const typename F::Act* x[R];
+    for (int t = 0; t < R; ++t) x[t] = a.q + (r0 + t) * a.k + b * kBlock;
+    __m256i sum[R];
+    F::template sums<R>(wq + b * F::kBytes, x, sum);
+    const uint16_t* dm = wdm + b * F::kScales;
+    const __m256 d = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(dm)));
     for (int t = 0; t < R; ++t) {
       const int64_t at = (r0 + t) * blocks + b;
-      const __m256 f = _mm256_cvtepi32_ps(_mm256_madd_epi16(sum[t], ones));
-      acc[t] = _mm256_fmadd_ps(_mm256_mul_ps(d, _mm256_set1_ps(a.s[at])), f, acc[t]);
-      acc[t] = _mm256_fmadd_ps(m, _mm256_set1_ps(a.sx[at]), acc[t]);
+      acc[t] = _mm256_fmadd_ps(_mm256_mul_ps(d, _mm256_set1_ps(a.s[at])),
+                               _mm256_cvtepi32_ps(sum[t]), acc[t]);
+    }
+    if constexpr (F::kScales == 2 * kGroup) {  // the minimums' term: m * (s * sum x)
+      const __m256 m = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(dm + kGroup)));
+      for (int t = 0; t < R; ++t) acc[t] = _mm256_fmadd_ps(m, _mm256_set1_ps(a.sx[(r0 + t) * blocks + b]), acc[t]);
     }
   }
   for (int t = 0; t < R; ++t) {
@@ -252,18 +246,21 @@ inline void dot_group(const Activations<int8_t>& a, int64_t r0, const uint8_t* w
   }
 }
 
-// x [..., K] float32 times a Q4_1 weight [N, K] in the r8 layout: wq [ceil(N / 8), K / 32, 128]
-// uint8, wdm [ceil(N / 8), K / 32, 16] float16 (8 scales, 8 minimums). n is the weight's N:
-// the layout fixes only its group count, and the rows padded beyond n are never written.
-at::Tensor q4r8_linear(const at::Tensor& x_in, const at::Tensor& wq, const at::Tensor& wdm,
-                       int64_t n, const c10::optional<at::Tensor>& bias) {
-  const Quantised<int8_t> x = quantise<int8_t>(x_in);
-  const Activations<int8_t>& a = x.a;
+// x [..., K] float32 times a weight [n, K] in the r8 layout of format F: wq [ceil(n / 8),
+// K / 32, F::kBytes], wdm [ceil(n / 8), K / 32, F::kScales] float16. n is the weight's own: the
+// layout fixes only its group count, and the rows padded beyond n are never written. Rows are
+// taken in chunks whose activations stay in L1, groups in blocks whose weights stay in L2, so
+// that a large batch reads each from the nearest cache.
+template <typename F>
+at::Tensor r8_linear(const at::Tensor& x_in, const at::Tensor& wq, const at::Tensor& wdm,
+                     int64_t n, const c10::optional<at::Tensor>& bias) {
+  const Quantised<typename F::Act> x = quantise<typename F::Act>(x_in);
+  const Activations<typename F::Act>& a = x.a;
   const int64_t rows = x.q.size(0), k = a.k, blocks = k / kBlock;
   const int64_t groups = (n + kGroup - 1) / kGroup;
-  check_weight(wq, at::kByte, wdm, at::kHalf, bias, n);
-  TORCH_CHECK(wq.dim() == 3 && wq.size(0) == groups && wq.size(2) == kGroupBlockBytes &&
-                  wdm.dim() == 3 && wdm.size(0) == groups && wdm.size(2) == 2 * kGroup,
+  check_weight(wq, F::kType, wdm, at::kHalf, bias, n);
+  TORCH_CHECK(wq.dim() == 3 && wq.size(0) == groups && wq.size(2) == F::kBytes &&
+                  wdm.dim() == 3 && wdm.size(0) == groups && wdm.size(2) == F::kScales,
               "the weight's blocks do not have the r8 layout for ", n, " outputs");
   TORCH_CHECK(wq.size(1) == blocks && wdm.size(1) == blocks, "input size ", k,
               " does not match the weight");
@@ -271,19 +268,27 @@ at::Tensor q4r8_linear(const at::Tensor& x_in, const at::Tensor& wq, const at::T
   const uint8_t* wq_ptr = reinterpret_cast<const uint8_t*>(wq.data_ptr());
   const uint16_t* wdm_ptr = reinterpret_cast<const uint16_t*>(wdm.data_ptr());
   float* out_ptr = out.data_ptr<float>();
+  const int64_t act_bytes = k * static_cast<int64_t>(sizeof(typename F::Act));
+  const int64_t chunk = std::max<int64_t>(kRowTile, (16384 / act_bytes) / kRowTile * kRowTile);
+  const int64_t group_block = std::max<int64_t>(1, 131072 / (blocks * F::kBytes));
   at::parallel_for(0, groups, 4, [&](int64_t begin, int64_t end) {
-    for (int64_t g = begin; g < end; ++g) {
-      const uint8_t* wg = wq_ptr + g * blocks * kGroupBlockBytes;
-      const uint16_t* dg = wdm_ptr + g * blocks * 2 * kGroup;
-      const int64_t valid = std::min(kGroup, n - g * kGroup);
-      float* og = out_ptr + g * kGroup;
-      int64_t r = 0;
-      for (; r + kRowTile <= rows; r += kRowTile) dot_group<kRowTile>(a, r, wg, dg, og, n, valid);
-      switch (rows - r) {
-        case 3: dot_group<3>(a, r, wg, dg, og, n, valid); break;
-        case 2: dot_group<2>(a, r, wg, dg, og, n, valid); break;
-        case 1: dot_group<1>(a, r, wg, dg, og, n, valid); break;
-        default: break;
+    for (int64_t g0 = begin; g0 < end; g0 += group_block) {
+      for (int64_t r0 = 0; r0 < rows; r0 += chunk) {
+        const int64_t r_end = std::min(rows, r0 + chunk);
+        for (int64_t g = g0; g < std::min(end, g0 + group_block); ++g) {
+          const uint8_t* wg = wq_ptr + g * blocks * F::kBytes;
+          const uint16_t* dg = wdm_ptr + g * blocks * F::kScales;
+          const int64_t valid = std::min(kGroup, n - g * kGroup);
+          float* og = out_ptr + g * kGroup;
+          int64_t r = r0;
+          for (; r + kRowTile <= r_end; r += kRowTile) dot_group<F, kRowTile>(a, r, wg, dg, og, n, valid);
+          switch (r_end - r) {
+            case 3: dot_group<F, 3>(a, r, wg, dg, og, n, valid); break;
+            case 2: dot_group<F, 2>(a, r, wg, dg, og, n, valid); break;
+            case 1: dot_group<F, 1>(a, r, wg, dg, og, n, valid); break;
+            default: break;
+          }
+        }
       }
     }
   });
@@ -294,6 +299,7 @@ at::Tensor q4r8_linear(const at::Tensor& x_in, const at::Tensor& wq, const at::T
 
 TORCH_LIBRARY_FRAGMENT(loom, m) {
   m.def("q4r8_linear(Tensor x, Tensor wq, Tensor wdm, int n, Tensor? bias) -> Tensor",
-        &q4r8_linear);
-  m.def("q8_linear(Tensor x, Tensor wq, Tensor wd, Tensor? bias) -> Tensor", &q8_linear);
+        &r8_linear<Q4>);
+  m.def("q8r8_linear(Tensor x, Tensor wq, Tensor wdm, int n, Tensor? bias) -> Tensor",
+        &r8_linear<Q8>);
 }

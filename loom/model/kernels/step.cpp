@@ -17,6 +17,8 @@
 namespace {
 
 using loom::hsum;
+using loom::load8;
+using loom::store8;
 
 // exp on 8 floats: n = round(x / ln 2), r = x - n ln 2, Cephes' polynomial for exp(r) on
 // |r| <= ln 2 / 2, times 2^n. x is clamped to [-87.3, 88.3]: below, exp gives 2^-126 (softmax
@@ -39,9 +41,9 @@ inline __m256 exp8(__m256 x) {
 // Decode attention for one sequence and one KV head, the G query heads that share it: scores,
 // softmax, the weighted sum of values. Keys and values are read in place, a block at a time
 // through the block table. V = head_dim / 8 is a template argument so that a row's accumulators
-// stay in registers.
-template <int V>
-void attend(const float* q, const float* k_pool, const float* v_pool, const int64_t* table,
+// stay in registers; T is the pool's element type.
+template <typename T, int V>
+void attend(const float* q, const T* k_pool, const T* v_pool, const int64_t* table,
             int64_t len, int64_t block_size, int64_t row, int64_t group, float scale, float* out,
             std::vector<float>& scores) {
   constexpr int64_t dim = 8 * V;
@@ -51,12 +53,12 @@ void attend(const float* q, const float* k_pool, const float* v_pool, const int6
     const float* qg = q + g * dim;
     float* sg = scores.data() + g * stride;
     for (int64_t l0 = 0; l0 < len; l0 += block_size) {
-      const float* k = k_pool + table[l0 / block_size] * block_size * row;
+      const T* k = k_pool + table[l0 / block_size] * block_size * row;
       const int64_t rows = std::min(block_size, len - l0);
       for (int64_t r = 0; r < rows; ++r, k += row) {
-        __m256 acc = _mm256_mul_ps(_mm256_loadu_ps(qg), _mm256_loadu_ps(k));
+        __m256 acc = _mm256_mul_ps(_mm256_loadu_ps(qg), load8(k));
         for (int i = 1; i < V; ++i)
-          acc = _mm256_fmadd_ps(_mm256_loadu_ps(qg + 8 * i), _mm256_loadu_ps(k + 8 * i), acc);
+          acc = _mm256_fmadd_ps(_mm256_loadu_ps(qg + 8 * i), load8(k + 8 * i), acc);
         sg[l0 + r] = hsum(acc) * scale;
       }
     }
@@ -77,11 +79,11 @@ void attend(const float* q, const float* k_pool, const float* v_pool, const int6
     __m256 acc[V];
     for (int i = 0; i < V; ++i) acc[i] = _mm256_setzero_ps();
     for (int64_t l0 = 0; l0 < len; l0 += block_size) {
-      const float* v = v_pool + table[l0 / block_size] * block_size * row;
+      const T* v = v_pool + table[l0 / block_size] * block_size * row;
       const int64_t rows = std::min(block_size, len - l0);
       for (int64_t r = 0; r < rows; ++r, v += row) {
         const __m256 p = _mm256_set1_ps(sg[l0 + r]);
-        for (int i = 0; i < V; ++i) acc[i] = _mm256_fmadd_ps(p, _mm256_loadu_ps(v + 8 * i), acc[i]);
+        for (int i = 0; i < V; ++i) acc[i] = _mm256_fmadd_ps(p, load8(v + 8 * i), acc[i]);
       }
     }
     const __m256 inv = _mm256_set1_ps(1.0f / hsum(total));
@@ -89,37 +91,27 @@ void attend(const float* q, const float* k_pool, const float* v_pool, const int6
   }
 }
 
-// Decode attention read in place from the paged pool: query [S, H_q, D] (one token per
-// sequence), k/v cache [blocks, block_size, H_kv, D], block_tables [S, B] (int64), seq_lens [S]:
-// sequence s attends its first seq_lens[s] keys, key l at row l % block_size of block
-// block_tables[s][l / block_size]. D is 16, 32, 64 or 128.
-at::Tensor paged_decode_attention(const at::Tensor& query, const at::Tensor& k_cache,
-                                  const at::Tensor& v_cache, const at::Tensor& block_tables,
-                                  const at::Tensor& seq_lens, double scale) {
-  TORCH_CHECK(query.scalar_type() == at::kFloat && k_cache.scalar_type() == at::kFloat,
-              "paged_decode_attention takes float32");
-  TORCH_CHECK(k_cache.is_contiguous() && v_cache.is_contiguous(), "the pool must be contiguous");
-  const at::Tensor q = query.contiguous();
-  const at::Tensor tables = block_tables.to(at::kLong).contiguous();
-  const at::Tensor lens = seq_lens.to(at::kLong).contiguous();
+// The pool's K and V: float32 or float16, contiguous, alike, on the CPU.
+void check_pool(const at::Tensor& k_cache, const at::Tensor& v_cache) {
+  TORCH_CHECK(k_cache.scalar_type() == at::kFloat || k_cache.scalar_type() == at::kHalf,
+              "the pool must be float32 or float16");
+  TORCH_CHECK(k_cache.is_contiguous() && v_cache.is_contiguous() && k_cache.device().is_cpu() &&
+                  v_cache.sizes() == k_cache.sizes() && v_cache.scalar_type() == k_cache.scalar_type(),
+              "the pool's K and V must match, contiguous, on the CPU");
+}
+
+// Every sequence's attention over a pool of T (float or at::Half), out [S, H_q, D].
+template <typename T>
+void attend_all(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
+                const at::Tensor& tables, const at::Tensor& lens, double scale, at::Tensor& out) {
   const int64_t seqs = q.size(0), heads = q.size(1), dim = q.size(2);
   const int64_t block_size = k_cache.size(1), kv_heads = k_cache.size(2);
   const int64_t group = heads / kv_heads, max_blocks = tables.size(1);
-  TORCH_CHECK(heads % kv_heads == 0 && k_cache.size(3) == dim, "query and pool do not match");
-  TORCH_CHECK(q.device().is_cpu() && k_cache.device().is_cpu() && v_cache.sizes() == k_cache.sizes(),
-              "the pool's K and V must match, on the CPU");
-  TORCH_CHECK(tables.size(0) == seqs && lens.numel() == seqs, "a block table and length per sequence");
-  const int64_t num_blocks = k_cache.size(0);
-  for (int64_t i = 0; i < tables.numel(); ++i)
-    TORCH_CHECK(tables.data_ptr<int64_t>()[i] >= 0 && tables.data_ptr<int64_t>()[i] < num_blocks,
-                "block table entry out of range");
-  auto* kernel = dim == 16 ? &attend<2> : dim == 32 ? &attend<4> : dim == 64 ? &attend<8>
-               : dim == 128 ? &attend<16> : nullptr;
-  TORCH_CHECK(kernel != nullptr, "head_dim must be 16, 32, 64 or 128, not ", dim);
-  at::Tensor out = at::empty_like(q);
+  auto* kernel = dim == 16 ? &attend<T, 2> : dim == 32 ? &attend<T, 4> : dim == 64 ? &attend<T, 8>
+                                                                       : &attend<T, 16>;
   const float* qp = q.data_ptr<float>();
-  const float* kp = k_cache.data_ptr<float>();
-  const float* vp = v_cache.data_ptr<float>();
+  const T* kp = k_cache.data_ptr<T>();
+  const T* vp = v_cache.data_ptr<T>();
   const int64_t* tp = tables.data_ptr<int64_t>();
   const int64_t* lp = lens.data_ptr<int64_t>();
   float* op = out.data_ptr<float>();
@@ -137,6 +129,35 @@ at::Tensor paged_decode_attention(const at::Tensor& query, const at::Tensor& k_c
              per_task, static_cast<float>(scale), op + first, scores);
     }
   });
+}
+
+// Decode attention read in place from the paged pool: query [S, H_q, D] (one token per
+// sequence), k/v cache [blocks, block_size, H_kv, D], block_tables [S, B] (int64), seq_lens [S]:
+// sequence s attends its first seq_lens[s] keys, key l at row l % block_size of block
+// block_tables[s][l / block_size]. D is 16, 32, 64 or 128.
+at::Tensor paged_decode_attention(const at::Tensor& query, const at::Tensor& k_cache,
+                                  const at::Tensor& v_cache, const at::Tensor& block_tables,
+                                  const at::Tensor& seq_lens, double scale) {
+  TORCH_CHECK(query.scalar_type() == at::kFloat, "paged_decode_attention takes float32 queries");
+  check_pool(k_cache, v_cache);
+  const at::Tensor q = query.contiguous();
+  const at::Tensor tables = block_tables.to(at::kLong).contiguous();
+  const at::Tensor lens = seq_lens.to(at::kLong).contiguous();
+  const int64_t seqs = q.size(0), heads = q.size(1), dim = q.size(2), kv_heads = k_cache.size(2);
+  TORCH_CHECK(heads % kv_heads == 0 && k_cache.size(3) == dim, "query and pool do not match");
+  TORCH_CHECK(q.device().is_cpu(), "the queries must be on the CPU");
+  TORCH_CHECK(tables.size(0) == seqs && lens.numel() == seqs, "a block table and length per sequence");
+  const int64_t num_blocks = k_cache.size(0);
+  for (int64_t i = 0; i < tables.numel(); ++i)
+    TORCH_CHECK(tables.data_ptr<int64_t>()[i] >= 0 && tables.data_ptr<int64_t>()[i] < num_blocks,
+                "block table entry out of range");
+  TORCH_CHECK(dim == 16 || dim == 32 || dim == 64 || dim == 128,
+              "head_dim must be 16, 32, 64 or 128, not ", dim);
+  at::Tensor out = at::empty_like(q);
+  if (k_cache.scalar_type() == at::kHalf)
+    attend_all<at::Half>(q, k_cache, v_cache, tables, lens, scale, out);
+  else
+    attend_all<float>(q, k_cache, v_cache, tables, lens, scale, out);
   return out;
 }
 
@@ -181,6 +202,44 @@ at::Tensor add_rms_norm(at::Tensor x, const c10::optional<at::Tensor>& delta,
   return out;
 }
 
+// rotary_write_kv's rows, into a pool of T (float or at::Half).
+template <typename T>
+void rotary_rows(const at::Tensor& qkv, const at::Tensor& cos, const at::Tensor& sin,
+                 const at::Tensor& slots, at::Tensor& k_cache, at::Tensor& v_cache,
+                 int64_t num_heads, at::Tensor& q) {
+  const int64_t tokens = qkv.size(0), kv_heads = k_cache.size(2), dim = k_cache.size(3);
+  const int64_t half = dim / 2, width = (num_heads + 2 * kv_heads) * dim;
+  const float* in = qkv.data_ptr<float>();
+  const float* cp = cos.data_ptr<float>();
+  const float* sp = sin.data_ptr<float>();
+  const int64_t* slot = slots.data_ptr<int64_t>();
+  float* qp = q.data_ptr<float>();
+  T* kp = k_cache.data_ptr<T>();
+  T* vp = v_cache.data_ptr<T>();
+  at::parallel_for(0, tokens, 16, [&](int64_t begin, int64_t end) {
+    for (int64_t t = begin; t < end; ++t) {
+      const float* row = in + t * width;
+      const float* c = cp + t * dim;
+      const float* sn = sp + t * dim;
+      for (int64_t head = 0; head < num_heads + kv_heads; ++head) {
+        const float* x = row + head * dim;
+        for (int64_t i = 0; i < dim; i += 8) {
+          const int64_t j = i < half ? i + half : i - half;  // roll by half
+          const __m256 a = _mm256_mul_ps(_mm256_loadu_ps(x + i), _mm256_loadu_ps(c + i));
+          const __m256 b = _mm256_mul_ps(_mm256_loadu_ps(x + j), _mm256_loadu_ps(sn + i));
+          if (head < num_heads)
+            _mm256_storeu_ps(qp + (t * num_heads + head) * dim + i, _mm256_add_ps(a, b));
+          else
+            store8(kp + (slot[t] * kv_heads + head - num_heads) * dim + i, _mm256_add_ps(a, b));
+        }
+      }
+      const float* v = row + (num_heads + kv_heads) * dim;
+      for (int64_t i = 0; i < kv_heads * dim; i += 8)
+        store8(vp + slot[t] * kv_heads * dim + i, _mm256_loadu_ps(v + i));
+    }
+  });
+}
+
 // The attention block's elementwise work between the qkv product and attention, in one pass:
 // rotary embedding of q and k (x * cos + roll(x, D / 2) * sin, where sin's first half is
 // negated: transformers' rotate_half), then k and v written to the pool at their slots.
@@ -190,14 +249,12 @@ at::Tensor rotary_write_kv(const at::Tensor& qkv_in, const at::Tensor& cos_in,
                            at::Tensor k_cache, at::Tensor v_cache, int64_t num_heads) {
   const at::Tensor qkv = qkv_in.contiguous(), cos = cos_in.contiguous(), sin = sin_in.contiguous();
   const at::Tensor slots = slots_in.to(at::kLong).contiguous();
-  TORCH_CHECK(qkv.scalar_type() == at::kFloat && k_cache.scalar_type() == at::kFloat,
-              "rotary_write_kv takes float32");
-  TORCH_CHECK(k_cache.is_contiguous() && v_cache.is_contiguous(), "the pool must be contiguous");
+  TORCH_CHECK(qkv.scalar_type() == at::kFloat, "rotary_write_kv takes float32");
+  check_pool(k_cache, v_cache);
   const int64_t tokens = qkv.size(0), kv_heads = k_cache.size(2), dim = k_cache.size(3);
   const int64_t half = dim / 2, width = (num_heads + 2 * kv_heads) * dim;
   TORCH_CHECK(qkv.size(1) == width && half % 8 == 0, "qkv does not match the heads");
-  TORCH_CHECK(qkv.device().is_cpu() && v_cache.sizes() == k_cache.sizes(),
-              "the pool's K and V must match, on the CPU");
+  TORCH_CHECK(qkv.device().is_cpu(), "qkv must be on the CPU");
   TORCH_CHECK(slots.numel() == tokens && cos.numel() == tokens * dim && sin.numel() == tokens * dim,
               "a slot, cos and sin per token");
   const int64_t num_slots = k_cache.numel() / (kv_heads * dim);
@@ -205,32 +262,10 @@ at::Tensor rotary_write_kv(const at::Tensor& qkv_in, const at::Tensor& cos_in,
     TORCH_CHECK(slots.data_ptr<int64_t>()[t] >= 0 && slots.data_ptr<int64_t>()[t] < num_slots,
                 "slot out of range");
   at::Tensor q = at::empty({tokens, num_heads, dim}, qkv.options());
-  const float* in = qkv.data_ptr<float>();
-  const float* cp = cos.data_ptr<float>();
-  const float* sp = sin.data_ptr<float>();
-  const int64_t* slot = slots.data_ptr<int64_t>();
-  float* qp = q.data_ptr<float>();
-  float* kp = k_cache.data_ptr<float>();
-  float* vp = v_cache.data_ptr<float>();
-  at::parallel_for(0, tokens, 16, [&](int64_t begin, int64_t end) {
-    for (int64_t t = begin; t < end; ++t) {
-      const float* row = in + t * width;
-      const float* c = cp + t * dim;
-      const float* sn = sp + t * dim;
-      for (int64_t head = 0; head < num_heads + kv_heads; ++head) {
-        const float* x = row + head * dim;
-        float* out = head < num_heads ? qp + (t * num_heads + head) * dim
-                                      : kp + (slot[t] * kv_heads + head - num_heads) * dim;
-        for (int64_t i = 0; i < dim; i += 8) {
-          const int64_t j = i < half ? i + half : i - half;  // roll by half
-          const __m256 a = _mm256_mul_ps(_mm256_loadu_ps(x + i), _mm256_loadu_ps(c + i));
-          const __m256 b = _mm256_mul_ps(_mm256_loadu_ps(x + j), _mm256_loadu_ps(sn + i));
-          _mm256_storeu_ps(out + i, _mm256_add_ps(a, b));
-        }
-      }
-      std::copy(row + (num_heads + kv_heads) * dim, row + width, vp + slot[t] * kv_heads * dim);
-    }
-  });
+  if (k_cache.scalar_type() == at::kHalf)
+    rotary_rows<at::Half>(qkv, cos, sin, slots, k_cache, v_cache, num_heads, q);
+  else
+    rotary_rows<float>(qkv, cos, sin, slots, k_cache, v_cache, num_heads, q);
   return q;
 }
 

@@ -1,6 +1,7 @@
 // Helpers shared by Loom's CPU kernels (blocks.cpp, step.cpp): AVX2, float32.
 #pragma once
 
+#include <c10/util/Half.h>
 #include <immintrin.h>
 
 namespace loom {
@@ -11,6 +12,16 @@ inline float hsum(__m256 v) {
   s = _mm_add_ps(s, _mm_movehl_ps(s, s));
   s = _mm_add_ss(s, _mm_movehdup_ps(s));
   return _mm_cvtss_f32(s);
+}
+
+// The pool holds float32 or float16 (`--kv-cache-dtype`): 8 of its values as floats, and back.
+inline __m256 load8(const float* p) { return _mm256_loadu_ps(p); }
+inline __m256 load8(const at::Half* p) {
+  return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+}
+inline void store8(float* p, __m256 v) { _mm256_storeu_ps(p, v); }
+inline void store8(at::Half* p, __m256 v) {
+  _mm_storeu_si128(reinterpret_cast<__m128i*>(p), _mm256_cvtps_ph(v, _MM_FROUND_TO_NEAREST_INT));
 }
 
 }  // namespace loom
