@@ -14,7 +14,7 @@ from typing import Any
 
 import torch
 
-from loom.bench.llama_cpp import check_llama_server, launched_llama_server
+from loom.bench.llama_cpp import check_llama_server, launched_llama_servers
 from loom.bench.measure import Target, measure, measure_caching_off, report
 from loom.bench.metrics import Objectives
 from loom.bench.serving import launched_process
@@ -98,6 +98,15 @@ def add_parser(commands: Any) -> argparse.ArgumentParser:
         metavar="PATH",
         help="also drive llama.cpp's llama-server binary at PATH on the model's GGUF file, "
         "same prompts (see loom/bench/llama_cpp.py)",
+    )
+    add(
+        "--llama-gguf",
+        type=Path,
+        action="append",
+        default=None,
+        metavar="FILE",
+        help="the GGUF file llama-server serves (default: the model's); repeat it to compare "
+        "formats, e.g. a Q4_0 copy made by llama-quantize (llama.cpp repacks Q4_0 for AVX2)",
     )
     add(
         "--tenants",
@@ -205,8 +214,11 @@ def run(args: argparse.Namespace) -> int:
         raise ValueError("--compare-prefix-caching launches both servers; drop --address")
     if args.api != "grpc" and args.address and not args.http_address:
         raise ValueError("--api openai with --address needs --http-address HOST:PORT")
+    if args.llama_gguf and args.llama_server is None:
+        raise ValueError("--llama-gguf names what --llama-server serves: give --llama-server")
     if args.llama_server is not None:
-        check_llama_server(args.llama_server, gguf_of(args))
+        for gguf in ggufs_of(args):
+            check_llama_server(args.llama_server, gguf)
     if is_sim(args.model):  # its prompts are random token ids
         if args.baseline or args.llama_server:
             raise ValueError("--baseline and --llama-server need a real model, not sim")
@@ -269,21 +281,15 @@ def compare_caching_off(
     return True
 
 
-@contextlib.contextmanager
-def llama_server(args: argparse.Namespace, concurrencies: list[int]) -> Iterator[int | None]:
-    """The port of a launched llama-server with `--llama-server`, else None."""
-    if args.llama_server is None:
-        yield None
-        return
+def llama_server(args: argparse.Namespace, concurrencies: list[int]) -> Any:
+    """The llama-servers of `--llama-server`, on each `--llama-gguf` (else the model's file)."""
+    ggufs = ggufs_of(args) if args.llama_server is not None else []
     tokens = args.input_len + args.output_len + 16
-    with launched_llama_server(
-        args.llama_server, gguf_of(args), max(concurrencies), tokens
-    ) as port:
-        yield port
+    return launched_llama_servers(args.llama_server, ggufs, max(concurrencies), tokens)
 
 
-def gguf_of(args: argparse.Namespace) -> Path:
-    return Path(args.model) if args.model else default_model_path()
+def ggufs_of(args: argparse.Namespace) -> list[Path]:
+    return args.llama_gguf or [Path(args.model) if args.model else default_model_path()]
 
 
 def fraction(text: str) -> float:

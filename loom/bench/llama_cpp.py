@@ -18,7 +18,7 @@ import subprocess
 import time
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
-from contextlib import contextmanager
+from contextlib import ExitStack, contextmanager
 from pathlib import Path
 
 from loom.bench.metrics import RequestTiming
@@ -51,6 +51,21 @@ def launched_llama_server(
     finally:
         process.terminate()
         process.wait(timeout=30)
+
+
+@contextmanager
+def launched_llama_servers(
+    binary: Path, ggufs: list[Path], slots: int, tokens_per_slot: int
+) -> Iterator[dict[str, int]]:
+    """A llama-server per GGUF file; yields their ports by file name. Each idles while another
+    server is measured."""
+    with ExitStack() as stack:
+        yield {
+            gguf.name: stack.enter_context(
+                launched_llama_server(binary, gguf, slots, tokens_per_slot)
+            )
+            for gguf in ggufs
+        }
 
 
 def check_llama_server(binary: Path, gguf: Path) -> None:

@@ -61,7 +61,7 @@ def measure(
     pad: int,
     goals: Objectives,
     target: Target,
-    llama_port: int | None,
+    llama_ports: dict[str, int],
     concurrency: int,
 ) -> dict[str, Any]:
     """One concurrency level: warm up, drive the server (through each front asked for, one
@@ -81,7 +81,7 @@ def measure(
         result.setdefault("title", title_of(args, workload, server, concurrency))
     first = make_workload_of(args, loaded, concurrency)  # the baselines': the first run's
     if isinstance(first, Workload):
-        result |= baselines(args, loaded, pad, goals, first, llama_port, concurrency)
+        result |= baselines(args, loaded, pad, goals, first, llama_ports, concurrency)
     return result
 
 
@@ -118,8 +118,9 @@ def report(result: dict[str, Any]) -> None:
         for what in ("computed", "cached"):
             key = f"prompt_tokens_{what}"
             print(f"{'prompt tokens ' + what:<24}{on[key]:>12}{off[key]:>12}")
-    if "llama_cpp" in result:
-        print(table("", result["loom"], result["llama_cpp"], "llama.cpp"))
+    for name, figures in result.get("llama_cpp", {}).items():
+        print(f"llama.cpp on {name}")
+        print(table("", result["loom"], figures, "llama.cpp"))
     sys.stdout.flush()
 
 
@@ -217,19 +218,20 @@ def baselines(
     pad: int,
     goals: Objectives,
     workload: Workload,
-    llama_port: int | None,
+    llama_ports: dict[str, int],
     concurrency: int,
 ) -> dict[str, Any]:
-    """transformers' `generate` (`--baseline`) and llama.cpp's server (`--llama-server`)."""
-    result = {}
+    """transformers' `generate` (`--baseline`) and llama.cpp's servers (`--llama-server`), by
+    GGUF file name."""
+    result: dict[str, Any] = {}
     if args.baseline:
         base_timings, base_duration = run_baseline(loaded.model, pad, workload, concurrency)
         result["baseline"] = summarize(base_timings, base_duration, goals)
-    if llama_port is not None:
+    for name, port in llama_ports.items():
         warm = Workload(prompts=workload.prompts[: args.warmup], output_len=8)
-        drive_llama_server(llama_port, warm, 1)  # unmeasured, as Loom's warm-up
-        llama_timings, llama_duration = drive_llama_server(llama_port, workload, concurrency)
-        result["llama_cpp"] = summarize(llama_timings, llama_duration, goals)
+        drive_llama_server(port, warm, 1)  # unmeasured, as Loom's warm-up
+        llama_timings, llama_duration = drive_llama_server(port, workload, concurrency)
+        result.setdefault("llama_cpp", {})[name] = summarize(llama_timings, llama_duration, goals)
     return result
 
 

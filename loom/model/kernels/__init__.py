@@ -29,7 +29,7 @@ import torch
 SOURCES = [Path(__file__).with_name(name) for name in ("blocks.cpp", "step.cpp")]
 HEADER = Path(__file__).with_name("vec.h")
 FLAGS = ["-O3", "-mavx2", "-mfma", "-mf16c", "-fopenmp", "-ffp-contract=off"]
-VNNI_FLAGS = ["-mavx512f", "-mavx512vl", "-mavx512vnni", "-mprefer-vector-width=256"]
+VNNI_FLAGS = ["-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512vnni", "-mprefer-vector-width=256"]
 
 
 def isa() -> str:
@@ -41,7 +41,7 @@ def isa() -> str:
         flags = Path("/proc/cpuinfo").read_text().split()
     except OSError:
         return "avx2"
-    return "vnni" if {"avx512vl", "avx512_vnni"} <= set(flags) else "avx2"
+    return "vnni" if {"avx512bw", "avx512vl", "avx512_vnni"} <= set(flags) else "avx2"
 
 
 def unavailable() -> str | None:

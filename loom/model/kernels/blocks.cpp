@@ -164,6 +164,30 @@ inline __m256i broadcast32(const void* p) {
   return _mm256_set1_epi32(v);
 }
 
+// Where the CPU has AVX-512 (the VNNI build), two groups are multiplied at once in 512-bit
+// registers: group g's bytes in the low half, g + 1's in the high half, and their 16 outputs,
+// adjacent in the output row, stored at once.
+#if defined(__AVX512VNNI__) && defined(__AVX512BW__)
+#define LOOM_ZMM 1
+inline __m512i broadcast32x16(const void* p) {
+  int32_t v;
+  std::memcpy(&v, p, 4);
+  return _mm512_set1_epi32(v);
+}
+inline __m512i join(const uint8_t* lo, const uint8_t* hi) {
+  const __m256i low = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(lo));
+  return _mm512_inserti64x4(_mm512_castsi256_si512(low),
+                            _mm256_loadu_si256(reinterpret_cast<const __m256i*>(hi)), 1);
+}
+inline __m256i join128(const void* lo, const void* hi) {
+  const __m128i low = _mm_loadu_si128(reinterpret_cast<const __m128i*>(lo));
+  return _mm256_inserti128_si256(_mm256_castsi128_si256(low),
+                                 _mm_loadu_si128(reinterpret_cast<const __m128i*>(hi)), 1);
+}
+#else
+#define LOOM_ZMM 0
+#endif
+
 // The two formats: the bytes and scales of a group's block, and its int32 sums for R rows.
 struct Q4 {
   using Act = int8_t;
@@ -187,6 +211,24 @@ struct Q4 {
     }
     for (int t = 0; t < R; ++t) sum[t] = widen_u8(add_sums(sum[t], high[t]));
   }
+#if LOOM_ZMM
+  template <int R>
+  static void sums2(const uint8_t* w0, const uint8_t* w1, const int8_t* const* x, __m512i* sum) {
+    const __m512i low = _mm512_set1_epi8(0x0F);
+    __m512i high[R];
+    for (int t = 0; t < R; ++t) sum[t] = high[t] = _mm512_setzero_si512();
+    for (int i = 0; i < 4; ++i) {
+      const __m512i p = join(w0 + 32 * i, w1 + 32 * i);
+      const __m512i lo = _mm512_and_si512(p, low);
+      const __m512i hi = _mm512_and_si512(_mm512_srli_epi16(p, 4), low);
+      for (int t = 0; t < R; ++t) {
+        sum[t] = _mm512_dpbusd_epi32(sum[t], lo, broadcast32x16(x[t] + 4 * i));
+        high[t] = _mm512_dpbusd_epi32(high[t], hi, broadcast32x16(x[t] + 16 + 4 * i));
+      }
+    }
+    for (int t = 0; t < R; ++t) sum[t] = _mm512_add_epi32(sum[t], high[t]);
+  }
+#endif
 };
 
 struct Q8 {
@@ -208,6 +250,23 @@ struct Q8 {
     }
     for (int t = 0; t < R; ++t) sum[t] = _mm256_add_epi32(sum[t], odd[t]);
   }
+#if LOOM_ZMM
+  template <int R>
+  static void sums2(const uint8_t* w0, const uint8_t* w1, const int16_t* const* x, __m512i* sum) {
+    __m512i odd[R];
+    for (int t = 0; t < R; ++t) sum[t] = odd[t] = _mm512_setzero_si512();
+    for (int i = 0; i < 16; i += 2) {
+      const __m256i both = join128(w0 + 16 * i, w1 + 16 * i);
+      const __m256i next = join128(w0 + 16 * i + 16, w1 + 16 * i + 16);
+      const __m512i v0 = _mm512_cvtepi8_epi16(both), v1 = _mm512_cvtepi8_epi16(next);
+      for (int t = 0; t < R; ++t) {
+        sum[t] = _mm512_dpwssd_epi32(sum[t], v0, broadcast32x16(x[t] + 2 * i));
+        odd[t] = _mm512_dpwssd_epi32(odd[t], v1, broadcast32x16(x[t] + 2 * i + 2));
+      }
+    }
+    for (int t = 0; t < R; ++t) sum[t] = _mm512_add_epi32(sum[t], odd[t]);
+  }
+#endif
 };
 
 // out[r0 .. r0 + R - 1, the group's `valid` outputs] for one group of weights.
@@ -246,6 +305,65 @@ inline void dot_group(const Activations<typename F::Act>& a, int64_t r0, const u
   }
 }
 
+#if LOOM_ZMM
+// dot_group for groups g and g + 1 at once (w1, d1: g + 1's), their `valid` (up to 16) outputs.
+template <typename F, int R>
+inline void dot_pair(const Activations<typename F::Act>& a, int64_t r0, const uint8_t* w0,
+                     const uint16_t* d0, const uint8_t* w1, const uint16_t* d1, float* out,
+                     int64_t out_stride, int64_t valid) {
+  const int64_t blocks = a.k / kBlock;
+  __m512 acc[R];
+  for (int t = 0; t < R; ++t) acc[t] = _mm512_setzero_ps();
+  for (int64_t b = 0; b < blocks; ++b) {
+    const typename F::Act* x[R];
+    for (int t = 0; t < R; ++t) x[t] = a.q + (r0 + t) * a.k + b * kBlock;
+    __m512i sum[R];
+    F::template sums2<R>(w0 + b * F::kBytes, w1 + b * F::kBytes, x, sum);
+    const int64_t at = b * F::kScales;
+    const __m512 d = _mm512_cvtph_ps(join128(d0 + at, d1 + at));
+    for (int t = 0; t < R; ++t) {
+      const __m512 s = _mm512_set1_ps(a.s[(r0 + t) * blocks + b]);
+      acc[t] = _mm512_fmadd_ps(_mm512_mul_ps(d, s), _mm512_cvtepi32_ps(sum[t]), acc[t]);
+    }
+    if constexpr (F::kScales == 2 * kGroup) {
+      const __m512 m = _mm512_cvtph_ps(join128(d0 + at + kGroup, d1 + at + kGroup));
+      for (int t = 0; t < R; ++t)
+        acc[t] = _mm512_fmadd_ps(m, _mm512_set1_ps(a.sx[(r0 + t) * blocks + b]), acc[t]);
+    }
+  }
+  const __mmask16 lanes = valid >= 2 * kGroup ? 0xFFFF : (1u << valid) - 1;
+  for (int t = 0; t < R; ++t) _mm512_mask_storeu_ps(out + (r0 + t) * out_stride, lanes, acc[t]);
+}
+#endif
+
+// Rows r0 .. r_end - 1 of W groups' outputs (W = 2: g and g + 1, `next` bytes and scales on).
+template <typename F, int W, int R>
+inline void dot_tile(const Activations<typename F::Act>& a, int64_t r, const uint8_t* wg,
+                     const uint16_t* dg, int64_t next_q, int64_t next_dm, float* og, int64_t n,
+                     int64_t valid) {
+#if LOOM_ZMM
+  if constexpr (W == 2) {
+    dot_pair<F, R>(a, r, wg, dg, wg + next_q, dg + next_dm, og, n, valid);
+    return;
+  }
+#endif
+  dot_group<F, R>(a, r, wg, dg, og, n, valid);
+}
+
+template <typename F, int W>
+inline void dot_rows(const Activations<typename F::Act>& a, int64_t r, int64_t r_end,
+                     const uint8_t* wg, const uint16_t* dg, int64_t next_q, int64_t next_dm,
+                     float* og, int64_t n, int64_t valid) {
+  for (; r + kRowTile <= r_end; r += kRowTile)
+    dot_tile<F, W, kRowTile>(a, r, wg, dg, next_q, next_dm, og, n, valid);
+  switch (r_end - r) {
+    case 3: dot_tile<F, W, 3>(a, r, wg, dg, next_q, next_dm, og, n, valid); break;
+    case 2: dot_tile<F, W, 2>(a, r, wg, dg, next_q, next_dm, og, n, valid); break;
+    case 1: dot_tile<F, W, 1>(a, r, wg, dg, next_q, next_dm, og, n, valid); break;
+    default: break;
+  }
+}
+
 // x [..., K] float32 times a weight [n, K] in the r8 layout of format F: wq [ceil(n / 8),
 // K / 32, F::kBytes], wdm [ceil(n / 8), K / 32, F::kScales] float16. n is the weight's own: the
 // layout fixes only its group count, and the rows padded beyond n are never written. Rows are
@@ -275,18 +393,20 @@ at::Tensor r8_linear(const at::Tensor& x_in, const at::Tensor& wq, const at::Ten
     for (int64_t g0 = begin; g0 < end; g0 += group_block) {
       for (int64_t r0 = 0; r0 < rows; r0 += chunk) {
         const int64_t r_end = std::min(rows, r0 + chunk);
-        for (int64_t g = g0; g < std::min(end, g0 + group_block); ++g) {
+        const int64_t g_end = std::min(end, g0 + group_block);
+        for (int64_t g = g0; g < g_end;) {
           const uint8_t* wg = wq_ptr + g * blocks * F::kBytes;
           const uint16_t* dg = wdm_ptr + g * blocks * F::kScales;
-          const int64_t valid = std::min(kGroup, n - g * kGroup);
+          const int64_t next_q = blocks * F::kBytes, next_dm = blocks * F::kScales;
           float* og = out_ptr + g * kGroup;
-          int64_t r = r0;
-          for (; r + kRowTile <= r_end; r += kRowTile) dot_group<F, kRowTile>(a, r, wg, dg, og, n, valid);
-          switch (r_end - r) {
-            case 3: dot_group<F, 3>(a, r, wg, dg, og, n, valid); break;
-            case 2: dot_group<F, 2>(a, r, wg, dg, og, n, valid); break;
-            case 1: dot_group<F, 1>(a, r, wg, dg, og, n, valid); break;
-            default: break;
+          if (LOOM_ZMM && g + 1 < g_end) {
+            const int64_t valid = std::min(2 * kGroup, n - g * kGroup);
+            dot_rows<F, 2>(a, r0, r_end, wg, dg, next_q, next_dm, og, n, valid);
+            g += 2;
+          } else {
+            const int64_t valid = std::min(kGroup, n - g * kGroup);
+            dot_rows<F, 1>(a, r0, r_end, wg, dg, next_q, next_dm, og, n, valid);
+            g += 1;
           }
         }
       }
