@@ -27,7 +27,7 @@ from pathlib import Path
 import torch
 
 SOURCES = [Path(__file__).with_name(name) for name in ("blocks.cpp", "step.cpp")]
-HEADER = Path(__file__).with_name("vec.h")
+HEADERS = [Path(__file__).with_name(name) for name in ("activations.h", "vec.h")]
 FLAGS = ["-O3", "-mavx2", "-mfma", "-mf16c", "-fopenmp", "-ffp-contract=off"]
 VNNI_FLAGS = ["-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512vnni", "-mprefer-vector-width=256"]
 
@@ -69,12 +69,16 @@ def load() -> None:
 
     chosen = isa()
     # torch's builder keys its cache by the sources and flags, not the headers they include:
-    # the header's digest, as a flag, makes a change to it rebuild too.
-    header = hashlib.sha256(HEADER.read_bytes()).hexdigest()[:16]
+    # the headers' digest, as a flag, makes a change to one rebuild too.
+    headers = hashlib.sha256(b"".join(path.read_bytes() for path in HEADERS)).hexdigest()[:16]
     cpp_extension.load(
         name=f"loom_kernels_{chosen}",
         sources=[str(path) for path in SOURCES],
-        extra_cflags=[*FLAGS, *(VNNI_FLAGS if chosen == "vnni" else []), f"-DLOOM_VEC_H={header}"],
+        extra_cflags=[
+            *FLAGS,
+            *(VNNI_FLAGS if chosen == "vnni" else []),
+            f"-DLOOM_HEADERS={headers}",
+        ],
         extra_ldflags=["-fopenmp"],
         is_python_module=False,
     )
