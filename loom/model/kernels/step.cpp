@@ -38,6 +38,14 @@ inline __m256 exp8(__m256 x) {
   return _mm256_mul_ps(p, _mm256_castsi256_ps(e));
 }
 
+// Asks for a block's rows of one head (dim values at a stride of row) to be brought into cache.
+template <typename T>
+inline void prefetch_block(const T* block, int64_t rows, int64_t row, int64_t dim) {
+  for (int64_t r = 0; r < rows; ++r)
+    for (int64_t at = 0; at < dim * static_cast<int64_t>(sizeof(T)); at += 64)
+      _mm_prefetch(reinterpret_cast<const char*>(block + r * row) + at, _MM_HINT_T0);
+}
+
 // Decode attention for one sequence and one KV head, the G query heads that share it: scores,
 // softmax, the weighted sum of values. Keys and values are read in place, a block at a time
 // through the block table. V = head_dim / 8 is a template argument so that a row's accumulators
@@ -55,7 +63,20 @@ void attend(const float* q, const T* k_pool, const T* v_pool, const int64_t* tab
     for (int64_t l0 = 0; l0 < len; l0 += block_size) {
       const T* k = k_pool + table[l0 / block_size] * block_size * row;
       const int64_t rows = std::min(block_size, len - l0);
-      for (int64_t r = 0; r < rows; ++r, k += row) {
+      if (g == 0 && l0 + block_size < len) {  // the blocks lie anywhere in the pool
+        prefetch_block(k_pool + table[l0 / block_size + 1] * block_size * row, block_size, row, dim);
+        prefetch_block(v_pool + table[l0 / block_size] * block_size * row, block_size, row, dim);
+      }
+      int64_t r = 0;
+      for (; r + 8 <= rows; r += 8, k += 8 * row) {  // 8 keys at once: one sum of 8 vectors
+        __m256 acc[8];
+        for (int j = 0; j < 8; ++j) acc[j] = _mm256_mul_ps(_mm256_loadu_ps(qg), load8(k + j * row));
+        for (int i = 1; i < V; ++i)
+          for (int j = 0; j < 8; ++j)
+            acc[j] = _mm256_fmadd_ps(_mm256_loadu_ps(qg + 8 * i), load8(k + j * row + 8 * i), acc[j]);
+        _mm256_storeu_ps(sg + l0 + r, _mm256_mul_ps(loom::hsum8(acc), _mm256_set1_ps(scale)));
+      }
+      for (; r < rows; ++r, k += row) {
         __m256 acc = _mm256_mul_ps(_mm256_loadu_ps(qg), load8(k));
         for (int i = 1; i < V; ++i)
           acc = _mm256_fmadd_ps(_mm256_loadu_ps(qg + 8 * i), load8(k + 8 * i), acc);

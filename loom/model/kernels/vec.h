@@ -14,6 +14,13 @@ inline float hsum(__m256 v) {
   return _mm_cvtss_f32(s);
 }
 
+// The sums of 8 vectors, as one: lane j holds the sum of v[j]'s 8 floats.
+inline __m256 hsum8(const __m256* v) {
+  const __m256 a = _mm256_hadd_ps(_mm256_hadd_ps(v[0], v[1]), _mm256_hadd_ps(v[2], v[3]));
+  const __m256 b = _mm256_hadd_ps(_mm256_hadd_ps(v[4], v[5]), _mm256_hadd_ps(v[6], v[7]));
+  return _mm256_add_ps(_mm256_permute2f128_ps(a, b, 0x20), _mm256_permute2f128_ps(a, b, 0x31));
+}
+
 // The pool holds float32 or float16 (`--kv-cache-dtype`): 8 of its values as floats, and back.
 inline __m256 load8(const float* p) { return _mm256_loadu_ps(p); }
 inline __m256 load8(const at::Half* p) {
