@@ -1,7 +1,8 @@
 """The second baseline: llama.cpp's server on the same GGUF file, prompts and lengths.
 
 `loom bench --llama-server PATH` launches PATH, llama.cpp's `llama-server` (built from the tree
-vendored in the `llama-cpp-python` sdist; BENCHMARKS.md says how), on the model's GGUF file with
+vendored in the `llama-cpp-python` sdist; BENCHMARKS.md says how), on the model's GGUF file (or
+on each `--llama-gguf FILE`: llama.cpp is fastest on x86 with a Q4_0 copy, which it repacks) with
 as many slots as the largest concurrency and a thread per core, and drives its streaming
 `/completion` endpoint as the Loom clients drive Loom: the prompts as token ids, greedy, exactly
 `output_len` tokens (`ignore_eos`), no prompt cache, all requests at once with at most
@@ -73,6 +74,8 @@ def check_llama_server(binary: Path, gguf: Path) -> None:
         raise ValueError(f"--llama-server: no such file: {binary}")
     if gguf.suffix != ".gguf":
         raise ValueError(f"--llama-server serves GGUF files; the model is {gguf}")
+    if not gguf.is_file():
+        raise ValueError(f"--llama-server: no such GGUF file: {gguf}")
 
 
 def healthy(port: int) -> bool:

@@ -26,6 +26,7 @@ from loom.engine.engine_core import EngineCore
 from loom.engine.metrics import EngineMetrics
 from loom.engine.request_stream import RequestStream
 from loom.engine.stats import EngineStats, ModelInfo
+from loom.model.device import release_freed_memory
 from loom.model.loader import LoadedModel
 from loom.model.model_runner import ModelRunner
 
@@ -76,6 +77,7 @@ class Engine:
             self.core = core = EngineCore(self.config, loaded, runner, self.metrics)
             self.metrics.opened(loaded.name, lambda: self.published_stats)  # read by scrapes
             del loaded  # the transformers model: the runner keeps what it computes with
+            release_freed_memory()
             if self.state is EngineState.LOADING:
                 self.state = EngineState.SERVING
             else:  # drained while it loaded

@@ -169,6 +169,11 @@ def test_bench_prefix_workloads_compare_caching_on_and_off(
             ["--llama-server", sys.executable, "--model", "some/folder"],
             "--llama-server serves GGUF files; the model is some/folder",
         ),
+        (["--llama-gguf", "a.gguf"], "--llama-gguf names what --llama-server serves"),
+        (
+            ["--llama-server", sys.executable, "--llama-gguf", "/no/model.gguf"],
+            "--llama-server: no such GGUF file: /no/model.gguf",
+        ),
     ],
 )
 def test_bench_refuses_bad_flags_by_name(flags: list[str], message: str) -> None:

@@ -14,6 +14,7 @@ from loom.cli import main
 def test_bench_step_times_each_part_of_a_decode_step(tiny_folder: Path) -> None:
     command = [sys.executable, "-m", "loom", "bench-step", "--model", str(tiny_folder)]
     command += ["--sequences", "1,3", "--context", "20", "--prompt-len", "9", "--repeats", "2"]
+    command += ["--kv-cache-dtype", "fp16"]
     result = subprocess.run(command, capture_output=True, text=True, timeout=300)
     assert result.returncode == 0, result.stderr[-2000:]
     lines = result.stdout.splitlines()
@@ -24,6 +25,7 @@ def test_bench_step_times_each_part_of_a_decode_step(tiny_folder: Path) -> None:
         step, linear, lm_head, attention = (float(x) for x in row[1:5])
         assert min(step, linear, lm_head, attention) > 0
     assert "prefill step, 4 prompts of 9 tokens:" in result.stdout
+    assert "KV pool float16" in result.stdout
 
 
 @pytest.mark.parametrize(
