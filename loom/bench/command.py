@@ -14,14 +14,14 @@ from typing import Any
 
 import torch
 
-from loom.bench.llama_cpp import check_llama_server, launched_llama_servers
+from loom.bench.llama_cpp import check_llama_flags, llama_server
 from loom.bench.measure import Target, measure, measure_caching_off, report
 from loom.bench.metrics import Objectives
 from loom.bench.serving import launched_process
 from loom.bench.tenants import ratio_of, report_tenants, run_tenants
 from loom.core.setting import at_least
 from loom.model.linear import METHODS
-from loom.model.loader import LoadedModel, default_model_path, load_model
+from loom.model.loader import LoadedModel, load_model
 from loom.model.sim import is_sim, load_sim
 from loom.server.health_probe import add_tls_arguments
 
@@ -214,11 +214,7 @@ def run(args: argparse.Namespace) -> int:
         raise ValueError("--compare-prefix-caching launches both servers; drop --address")
     if args.api != "grpc" and args.address and not args.http_address:
         raise ValueError("--api openai with --address needs --http-address HOST:PORT")
-    if args.llama_gguf and args.llama_server is None:
-        raise ValueError("--llama-gguf names what --llama-server serves: give --llama-server")
-    if args.llama_server is not None:
-        for gguf in ggufs_of(args):
-            check_llama_server(args.llama_server, gguf)
+    check_llama_flags(args)
     if is_sim(args.model):  # its prompts are random token ids
         if args.baseline or args.llama_server:
             raise ValueError("--baseline and --llama-server need a real model, not sim")
@@ -279,17 +275,6 @@ def compare_caching_off(
             print(f"loom bench: the caching-off server stopped answering ({exc})", file=sys.stderr)
             return False
     return True
-
-
-def llama_server(args: argparse.Namespace, concurrencies: list[int]) -> Any:
-    """The llama-servers of `--llama-server`, on each `--llama-gguf` (else the model's file)."""
-    ggufs = ggufs_of(args) if args.llama_server is not None else []
-    tokens = args.input_len + args.output_len + 16
-    return launched_llama_servers(args.llama_server, ggufs, max(concurrencies), tokens)
-
-
-def ggufs_of(args: argparse.Namespace) -> list[Path]:
-    return args.llama_gguf or [Path(args.model) if args.model else default_model_path()]
 
 
 def fraction(text: str) -> float:

@@ -11,6 +11,7 @@ as many slots as the largest concurrency and a thread per core, and drives its s
 
 from __future__ import annotations
 
+import argparse
 import http.client
 import json
 import os
@@ -21,9 +22,11 @@ from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import ExitStack, contextmanager
 from pathlib import Path
+from typing import Any
 
 from loom.bench.metrics import RequestTiming
 from loom.bench.serving import Workload
+from loom.model.loader import default_model_path
 
 
 @contextmanager
@@ -128,3 +131,24 @@ def drive_llama_server(
             pool.map(lambda p: one_request(port, p, workload.output_len), workload.prompts)
         )
     return timings, time.perf_counter() - start
+
+
+def llama_server(args: argparse.Namespace, concurrencies: list[int]) -> Any:
+    """The llama-servers of `--llama-server`, on each `--llama-gguf` (else the model's file)."""
+    ggufs = ggufs_of(args) if args.llama_server is not None else []
+    tokens = args.input_len + args.output_len + 16
+    return launched_llama_servers(args.llama_server, ggufs, max(concurrencies), tokens)
+
+
+def check_llama_flags(args: argparse.Namespace) -> None:
+    if args.llama_gguf and args.llama_server is None:
+        raise ValueError("--llama-gguf names what --llama-server serves: give --llama-server")
+    if args.llama_gguf and len({g.name for g in args.llama_gguf}) < len(args.llama_gguf):
+        raise ValueError("--llama-gguf: each file needs a name of its own (results go by name)")
+    if args.llama_server is not None:
+        for gguf in ggufs_of(args):
+            check_llama_server(args.llama_server, gguf)
+
+
+def ggufs_of(args: argparse.Namespace) -> list[Path]:
+    return args.llama_gguf or [Path(args.model) if args.model else default_model_path()]

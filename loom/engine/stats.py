@@ -151,7 +151,7 @@ class ModelInfo:
             model=model,
             max_model_len=max_model_len,
             vocab_size=runner.vocab_size,
-            dtype=str(runner.kv_cache_shape.dtype).removeprefix("torch."),
+            dtype=str(runner.dtype).removeprefix("torch."),
             device=str(runner.device),
             block_size=runner.block_size,
             max_num_seqs=config.scheduler.max_num_seqs,

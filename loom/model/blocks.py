@@ -71,10 +71,10 @@ def unpack(blocks: Blocks) -> torch.Tensor:
     rows, num_blocks = blocks.d.shape
     if blocks.m is None:
         q = blocks.q.reshape(rows, num_blocks, BLOCK).float()
-        return (q * blocks.d[..., None]).reshape(rows, -1)
+        return (q * blocks.d[..., None]).reshape(rows, num_blocks * BLOCK)
     nibbles = blocks.q.reshape(rows, num_blocks, BLOCK // 2)
     q = torch.cat([nibbles & 15, nibbles >> 4], dim=-1).float()
-    return (q * blocks.d[..., None] + blocks.m[..., None]).reshape(rows, -1)
+    return (q * blocks.d[..., None] + blocks.m[..., None]).reshape(rows, num_blocks * BLOCK)
 
 
 @attrs.frozen
@@ -95,12 +95,15 @@ class Repacked:
 
     def rows(self, ids: torch.Tensor) -> torch.Tensor:
         """The weight's rows `ids` ([T] int64), dequantised: [T, K] float32 (an embedding)."""
-        groups, num_blocks, _ = self.q.shape
+        groups, num_blocks, group_bytes = self.q.shape
+        if ids.numel() and not (int(ids.min()) >= 0 and int(ids.max()) < self.n):
+            raise IndexError(f"row ids must be in [0, {self.n})")
         group, row = ids // GROUP, ids % GROUP
         q = self.q.view(groups, num_blocks, -1, GROUP, RUN[self.bits])[group, :, :, row]
         dm = self.dm.view(groups, num_blocks, -1, GROUP)[group, :, :, row].float()
         m = dm[..., 1] if self.bits == 4 else None
-        return unpack(Blocks(q=q.reshape(len(ids), -1), d=dm[..., 0], m=m))
+        q = q.reshape(len(ids), num_blocks * group_bytes // GROUP)
+        return unpack(Blocks(q=q, d=dm[..., 0], m=m))
 
 
 def repack(blocks: Blocks) -> Repacked:

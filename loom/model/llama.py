@@ -52,6 +52,33 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     return weight * F.rms_norm(x.float(), weight.shape, eps=eps).to(x.dtype)
 
 
+def layer_linear(
+    quantization: str, layer: str, weight: torch.Tensor, bias: torch.Tensor | None = None
+) -> LinearLayer:
+    """A layer of this kind (qkv, o, gate_up, down, lm_head) as `quantization` computes it."""
+    return make_linear(weight, bias, method=method_for(quantization, layer))
+
+
+def max_model_len_of(config: Any) -> int:
+    """Sliding-window attention is not implemented: stay within the window, where it is exact."""
+    window = getattr(config, "sliding_window", None)
+    if not getattr(config, "use_sliding_window", True):
+        window = None
+    return min(int(config.max_position_embeddings), window or 1 << 62)
+
+
+def embedding_of(
+    embed: torch.Tensor, head: torch.Tensor, lm_head: LinearLayer
+) -> Callable[[torch.Tensor], torch.Tensor]:
+    """Token ids [T] -> their embeddings [T, hidden]. A tied LM head in blocks (q4: Q8_0, as the
+    default model's file) is the embedding too: its rows are looked up there, and no float copy
+    is kept (113 MB for SmolLM2). Lossless for a Q8_0 file's embedding; a float one is rounded
+    to Q8_0, as the head is."""
+    if isinstance(lm_head, BlockLinear) and head.data_ptr() == embed.data_ptr():
+        return lm_head.packed.rows
+    return functools.partial(F.embedding, weight=embed.clone())
+
+
 class LlamaModel:
     """The forward pass of a Llama-family causal LM, reading and writing K/V through the pool."""
 
@@ -72,11 +99,7 @@ class LlamaModel:
         self.eps: float = config.rms_norm_eps
         self.scale = self.head_dim**-0.5
         self.vocab_size: int = config.vocab_size
-        # Sliding-window attention is not implemented: stay within the window, where it is exact.
-        window = getattr(config, "sliding_window", None)
-        if not getattr(config, "use_sliding_window", True):
-            window = None
-        self.max_model_len: int = min(config.max_position_embeddings, window or 1 << 62)
+        self.max_model_len = max_model_len_of(config)
         if getattr(config, "mlp_bias", False):
             raise ValueError("Llama models with mlp_bias are not supported")
         self.rotary = hf_model.model.rotary_emb
@@ -84,9 +107,7 @@ class LlamaModel:
         embed = weights["model.embed_tokens.weight"]
         self.dtype, self.device, self.hidden_size = embed.dtype, embed.device, embed.shape[1]
         self.kv_dtype = kv_dtype or self.dtype  # the pool's: the model's, or float16
-        # Copies of what is kept as loaded: transformers' tensors may be views of the memory-mapped
-        # checkpoint, and keeping one keeps the whole file resident (measured: 513 MB of
-        # SmolLM2's fp32 file, beside the packed weights).
+        # Copies, not views of the mapped checkpoint: a view keeps the file resident (513 MB).
         self.final_norm = weights["model.norm.weight"].clone()
         self.decode_in_place = can_decode_in_place(self.device, self.dtype, self.head_dim)
         self.decode_in_place &= self.kv_dtype in (torch.float32, torch.float16)
@@ -102,21 +123,10 @@ class LlamaModel:
                 num_heads=self.num_heads,
                 num_kv_heads=self.num_kv_heads,
             )
-
-        def linear(
-            layer: str, weight: torch.Tensor, bias: torch.Tensor | None = None
-        ) -> LinearLayer:
-            return make_linear(weight, bias, method=method_for(quantization, layer))
-
+        linear = functools.partial(layer_linear, quantization)
         head = weights.get("lm_head.weight", embed)
         self.lm_head = linear("lm_head", head)
-        # A tied LM head in blocks (q4: Q8_0, as the default model's file) is the embedding too:
-        # its rows are looked up there, and no float copy is kept (113 MB for SmolLM2).
-        lm_head = self.lm_head
-        if isinstance(lm_head, BlockLinear) and head.data_ptr() == embed.data_ptr():
-            self.embedding: Callable[[torch.Tensor], torch.Tensor] = lm_head.packed.rows
-        else:
-            self.embedding = functools.partial(F.embedding, weight=embed.clone())
+        self.embedding = embedding_of(embed, head, self.lm_head)
         self.layers = [
             self.fuse_layer(weights, f"model.layers.{i}.", linear)
             for i in range(config.num_hidden_layers)

@@ -66,7 +66,8 @@ class ModelConfig:
     )
     dtype: str = setting(
         "auto",
-        "the weights' and KV pool's dtype (auto: float32 on cpu, bfloat16 on cuda)",
+        "the weights' dtype, and the KV pool's unless --kv-cache-dtype (auto: float32 on cpu, "
+        "bfloat16 on cuda)",
         choices=("auto", *DTYPES),
     )
     device: str = setting("auto", "auto, cpu or cuda[:N] (auto: cuda if there is a GPU)")

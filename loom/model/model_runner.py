@@ -34,7 +34,7 @@ class ModelRunner:
     """Runs batched steps of a loaded model over a paged KV pool sized by `cache`."""
 
     def __init__(self, loaded: LoadedModel, cache: CacheConfig) -> None:
-        self.device = loaded.device
+        self.device, self.dtype = loaded.device, loaded.dtype  # the model's (the pool's may differ)
         self.block_size = cache.block_size
         kv_dtype = loaded.dtype if cache.kv_cache_dtype == "auto" else DTYPES[cache.kv_cache_dtype]
         self.model = LlamaModel(

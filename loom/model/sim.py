@@ -84,7 +84,7 @@ class SimRunner(ModelRunner):
 
     def __init__(self, loaded: LoadedModel, cache: CacheConfig) -> None:  # no super(): no model
         self.sim: SimModel = loaded.model
-        self.device = loaded.device
+        self.device, self.dtype = loaded.device, loaded.dtype
         self.block_size = cache.block_size
         self.kv_cache_shape = KVCacheShape(
             num_layers=0,

@@ -148,6 +148,9 @@ def test_bench_prefix_workloads_compare_caching_on_and_off(
     assert total == off["server"]["prompt_tokens_computed"]
 
 
+TWO_OF_ONE_NAME = ["--llama-gguf", "a/x.gguf", "--llama-gguf", "b/x.gguf"]
+
+
 @pytest.mark.parametrize(
     ("flags", "message"),
     [
@@ -170,6 +173,10 @@ def test_bench_prefix_workloads_compare_caching_on_and_off(
             "--llama-server serves GGUF files; the model is some/folder",
         ),
         (["--llama-gguf", "a.gguf"], "--llama-gguf names what --llama-server serves"),
+        (
+            ["--llama-server", sys.executable, *TWO_OF_ONE_NAME],
+            "--llama-gguf: each file needs a name of its own",
+        ),
         (
             ["--llama-server", sys.executable, "--llama-gguf", "/no/model.gguf"],
             "--llama-server: no such GGUF file: /no/model.gguf",

@@ -86,7 +86,8 @@ def test_blocks_vnni_products_equal_the_avx2_ones_bit_for_bit(tmp_path: Path) ->
     float operations in the same order."""
     env = {**os.environ, "LOOM_KERNELS": "avx2"}
     path = tmp_path / "avx2.pt"
-    subprocess.run([sys.executable, "-c", AVX2_SCRIPT, str(path)], env=env, check=True)
+    root = Path(__file__).parents[2]
+    subprocess.run([sys.executable, "-c", AVX2_SCRIPT, str(path)], env=env, check=True, cwd=root)
     avx2 = torch.load(path)
     vnni = [layer(x) for layer, x in (layer_and_input(*shape) for shape in SHAPES)]
     for shape, a, b in zip(SHAPES, avx2, vnni, strict=True):
@@ -134,7 +135,11 @@ def test_blocks_rows_are_the_weights_rows(bits: int) -> None:
     bit, in the order asked, repeats and the padded last group's rows included."""
     blocks = pack(torch.randn(70, 64), bits)
     ids = torch.tensor([69, 0, 7, 8, 69, 33, 64])
-    assert torch.equal(repack(blocks).rows(ids), unpack(blocks)[ids])
+    packed = repack(blocks)
+    assert torch.equal(packed.rows(ids), unpack(blocks)[ids])
+    assert packed.rows(ids[:0]).shape == (0, 64)
+    with pytest.raises(IndexError, match=r"row ids must be in \[0, 70\)"):
+        packed.rows(torch.tensor([70]))  # a padded row of the last group
 
 
 def test_blocks_q4_kernel_refuses_a_layout_that_does_not_match() -> None:

@@ -9,7 +9,8 @@ CPU this project runs on has. Building here rather than shipping a binary keeps 
 every CPU and leaves no compiled artefact in the repository.
 
 Where the CPU has AVX-512 VNNI (Zen 4, recent Xeons), the block products use its int8 and int16
-dot products on 256-bit registers (`vpdpbusd`, `vpdpwssd`); elsewhere AVX2's multiply-adds.
+dot products (`vpdpbusd`, `vpdpwssd`), two groups of 8 outputs in one 512-bit register; elsewhere
+AVX2's multiply-adds.
 The library is named by that choice, so that a cache built on one CPU (the image bakes one) is
 never loaded on a CPU without the instructions. `LOOM_KERNELS=avx2` builds the AVX2 products
 on any CPU (the tests check both where they can).

@@ -86,7 +86,7 @@ Quantised<T> quantise(const at::Tensor& x_in) {
   TORCH_CHECK(x_in.device().is_cpu(), "block products run on the CPU");
   const at::Tensor x = x_in.reshape({-1, x_in.size(-1)}).contiguous();
   const int64_t rows = x.size(0), k = x.size(1);
-  TORCH_CHECK(k % kBlock == 0, "input size ", k, " is not a multiple of ", kBlock);
+  TORCH_CHECK(k > 0 && k % kBlock == 0, "input size ", k, " is not a multiple of ", kBlock);
   at::Tensor q = at::empty({rows, k}, x.options().dtype(sizeof(T) == 1 ? at::kChar : at::kShort));
   at::Tensor s = at::empty({rows, k / kBlock}, x.options());
   at::Tensor sx = at::empty({rows, k / kBlock}, x.options());

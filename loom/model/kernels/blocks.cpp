@@ -1,5 +1,5 @@
-// Matrix products over GGUF-style weight blocks, for x86 CPUs with AVX2 (every CPU this project
-// runs on: Zen 3 and Zen 4). Built at run time by loom/model/kernels/__init__.py.
+// Matrix products over GGUF-style weight blocks, for x86 CPUs with AVX2, and AVX-512 VNNI where
+// the CPU has it. Built at run time by loom/model/kernels/__init__.py.
 //
 // Weights come in blocks of 32 along the input axis, as in llama.cpp's files:
 //   q4: w = d * q + m, q in 0..15. Per block: 16 bytes, byte j holding q[j] (low nibble) and
@@ -12,7 +12,7 @@
 //   sum_i (d q_i + m) (s x_i) = d s sum_i q_i x_i + m (s sum_i x_i)
 // q4: AVX2's maddubs (unsigned 8 bit times signed 8 bit, pairs summed in 16 bits: at most
 // 2 * 15 * 127, no overflow), 8 of them summed in 16 bits, then madd to 32 bits. q8: madd of
-// 16-bit pairs to 32 bits (at most 4 * 127 * 32767 over a lane's four products).
+// 16-bit pairs to 32 bits (a block's 32 products at most 32 * 127 * 32767 in a lane).
 
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>

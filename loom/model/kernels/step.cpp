@@ -1,5 +1,5 @@
-// The decode step's other kernels, for x86 CPUs with AVX2, float32: decode attention that reads
-// the paged KV pool in place, and the small operations fused (residual add + RMSNorm, rotary +
+// The decode step's other kernels, for x86 CPUs with AVX2, float32 (the KV pool float32 or
+// float16): decode attention that reads the paged KV pool in place, and the small operations fused (residual add + RMSNorm, rotary +
 // the K/V write, SiLU * up). Built at run time with blocks.cpp by loom/model/kernels/__init__.py.
 
 #include <ATen/ATen.h>
@@ -63,7 +63,7 @@ void attend(const float* q, const T* k_pool, const T* v_pool, const int64_t* tab
     for (int64_t l0 = 0; l0 < len; l0 += block_size) {
       const T* k = k_pool + table[l0 / block_size] * block_size * row;
       const int64_t rows = std::min(block_size, len - l0);
-      if (g == 0 && l0 + block_size < len) {  // the blocks lie anywhere in the pool
+      if (g == 0 && l0 + block_size < len) {  // the next keys' block, this block's values
         prefetch_block(k_pool + table[l0 / block_size + 1] * block_size * row, block_size, row, dim);
         prefetch_block(v_pool + table[l0 / block_size] * block_size * row, block_size, row, dim);
       }
