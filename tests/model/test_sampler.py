@@ -52,6 +52,19 @@ def test_sampler_greedy_and_degenerate_cuts_take_the_argmax() -> None:
         assert out.token_ids == [1, 1, 1, 1]
 
 
+def test_sampler_greedy_takes_the_first_of_tied_maxima_as_argmax_does() -> None:
+    """Ties (the first maximum), a NaN (taken as the maximum) and a row of -inf, each as
+    torch's argmax chooses: the sampler takes max's indices, which are faster on the CPU."""
+    sampler = Sampler(VOCAB, CPU)
+    logits = logits_rows(
+        [0.0, 3.0, 1.0, 3.0, -1.0, 3.0],
+        [0.0, 1.0, float("nan"), 2.0, float("nan"), 0.5],
+        [float("-inf")] * VOCAB,
+    )
+    out = sampler.sample(logits, requests_with(*[SamplingParams(temperature=0)] * 3))
+    assert out.token_ids == [1, 2, 0] == logits.argmax(dim=-1).tolist()
+
+
 def test_sampler_top_k_and_top_p_keep_only_their_tokens() -> None:
     sampler = Sampler(VOCAB, CPU)
     torch.manual_seed(0)
