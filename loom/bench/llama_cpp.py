@@ -20,9 +20,8 @@ import subprocess
 import time
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
-from contextlib import ExitStack, contextmanager
+from contextlib import AbstractContextManager, ExitStack, contextmanager
 from pathlib import Path
-from typing import Any
 
 from loom.bench.metrics import RequestTiming
 from loom.bench.serving import Workload
@@ -133,7 +132,9 @@ def drive_llama_server(
     return timings, time.perf_counter() - start
 
 
-def llama_server(args: argparse.Namespace, concurrencies: list[int]) -> Any:
+def llama_server(
+    args: argparse.Namespace, concurrencies: list[int]
+) -> AbstractContextManager[dict[str, int]]:
     """The llama-servers of `--llama-server`, on each `--llama-gguf` (else the model's file)."""
     ggufs = ggufs_of(args) if args.llama_server is not None else []
     tokens = args.input_len + args.output_len + 16

@@ -93,8 +93,8 @@ def run(args: argparse.Namespace) -> None:
     for layer in runner.kv_cache.k + runner.kv_cache.v:
         layer.normal_()  # written pages, as in a server that has been running
     print(
-        f"decode step, quantization {args.quantization}, KV pool {str(cache_dtype)[6:]}, "
-        f"decode attention "
+        f"decode step, quantization {args.quantization}, "
+        f"KV pool {str(cache_dtype).removeprefix('torch.')}, decode attention "
         f"{'in place' if runner.model.decode_in_place else 'over gathered blocks'}, "
         f"{args.context} tokens cached per sequence; ms, median of {args.repeats}"
     )

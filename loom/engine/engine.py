@@ -77,7 +77,7 @@ class Engine:
             self.core = core = EngineCore(self.config, loaded, runner, self.metrics)
             self.metrics.opened(loaded.name, lambda: self.published_stats)  # read by scrapes
             del loaded  # the transformers model: the runner keeps what it computes with
-            release_freed_memory()
+            await trio.to_thread.run_sync(release_freed_memory)  # not on the event loop
             if self.state is EngineState.LOADING:
                 self.state = EngineState.SERVING
             else:  # drained while it loaded

@@ -15,6 +15,9 @@ from loom.core.block_manager import BlockManager
 from loom.core.config import CacheConfig
 from loom.core.sampling_params import SamplingParams
 from loom.core.step import ModelRunnerOutput, SamplingInput, ScheduledSequence, SchedulerOutput
+from loom.engine.config import EngineConfig
+from loom.engine.stats import ModelInfo
+from loom.model.device import DTYPES
 from loom.model.loader import LoadedModel
 from loom.model.model_runner import ModelRunner
 from tests.conftest import tiny_model
@@ -245,6 +248,16 @@ def test_model_runner_with_a_float16_pool_stays_close_to_float32(
         return torch.cat(parts)
 
     exact, half = scored("auto"), scored("fp16")
+    runner = ModelRunner(tiny, CacheConfig(num_blocks=8, kv_cache_dtype="fp16"))
+    info = ModelInfo.of("tiny", runner, runner.max_model_len, EngineConfig())
+    assert info.dtype == "float32"  # GetModelInfo names the model's dtype, not the pool's
     error = (half - exact).norm(dim=-1) / exact.norm(dim=-1)
     assert float(error.max()) < 0.01, error
     assert torch.equal(half.argmax(dim=-1), exact.argmax(dim=-1))
+
+
+def test_model_runner_kv_cache_dtype_names_are_the_dtype_names() -> None:
+    """CacheConfig (loom/core, without torch) spells the dtypes out: the same names as the
+    model's, so that each resolves (and a new name in one place fails here)."""
+    choices = attrs.fields(CacheConfig).kv_cache_dtype.metadata["choices"]
+    assert set(choices) == {"auto", *DTYPES}

@@ -241,6 +241,7 @@ template <typename F, int W, int R>
 inline void dot_tile(const Activations<typename F::Act>& a, int64_t r, const uint8_t* wg,
                      const uint16_t* dg, int64_t next_q, int64_t next_dm, float* og, int64_t n,
                      int64_t valid) {
+  static_assert(W == 1 || LOOM_ZMM, "two groups at once need the 512-bit registers");
 #if LOOM_ZMM
   if constexpr (W == 2) {
     dot_pair<F, R>(a, r, wg, dg, wg + next_q, dg + next_dm, og, n, valid);
@@ -299,15 +300,17 @@ at::Tensor r8_linear(const at::Tensor& x_in, const at::Tensor& wq, const at::Ten
           const uint16_t* dg = wdm_ptr + g * blocks * F::kScales;
           const int64_t next_q = blocks * F::kBytes, next_dm = blocks * F::kScales;
           float* og = out_ptr + g * kGroup;
-          if (LOOM_ZMM && g + 1 < g_end) {
-            const int64_t valid = std::min(2 * kGroup, n - g * kGroup);
-            dot_rows<F, 2>(a, r0, r_end, wg, dg, next_q, next_dm, og, n, valid);
-            g += 2;
-          } else {
-            const int64_t valid = std::min(kGroup, n - g * kGroup);
-            dot_rows<F, 1>(a, r0, r_end, wg, dg, next_q, next_dm, og, n, valid);
-            g += 1;
+          if constexpr (LOOM_ZMM) {
+            if (g + 1 < g_end) {
+              const int64_t valid = std::min(2 * kGroup, n - g * kGroup);
+              dot_rows<F, 2>(a, r0, r_end, wg, dg, next_q, next_dm, og, n, valid);
+              g += 2;
+              continue;
+            }
           }
+          const int64_t valid = std::min(kGroup, n - g * kGroup);
+          dot_rows<F, 1>(a, r0, r_end, wg, dg, next_q, next_dm, og, n, valid);
+          g += 1;
         }
       }
     }

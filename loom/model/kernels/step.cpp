@@ -1,6 +1,7 @@
 // The decode step's other kernels, for x86 CPUs with AVX2, float32 (the KV pool float32 or
-// float16): decode attention that reads the paged KV pool in place, and the small operations fused (residual add + RMSNorm, rotary +
-// the K/V write, SiLU * up). Built at run time with blocks.cpp by loom/model/kernels/__init__.py.
+// float16): decode attention that reads the paged KV pool in place, and the small operations
+// fused (residual add + RMSNorm, rotary + the K/V write, SiLU * up). Built at run time with
+// blocks.cpp by loom/model/kernels/__init__.py.
 
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
