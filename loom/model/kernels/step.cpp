@@ -39,12 +39,15 @@ inline __m256 exp8(__m256 x) {
   return _mm256_mul_ps(p, _mm256_castsi256_ps(e));
 }
 
-// Asks for a block's rows of one head (dim values at a stride of row) to be brought into cache.
+// Asks for a block's rows of one head (dim values at a stride of row) to be brought into L2.
+// Into L2, not L1: a request to L1 holds one of its few miss buffers until the line arrives,
+// and a block's 32 lines of keys and 32 of values fill them (64 sequences' attention at 192
+// tokens: 37 ms into L1, 24 ms into L2, on a Zen 4, fp16 pool).
 template <typename T>
 inline void prefetch_block(const T* block, int64_t rows, int64_t row, int64_t dim) {
   for (int64_t r = 0; r < rows; ++r)
     for (int64_t at = 0; at < dim * static_cast<int64_t>(sizeof(T)); at += 64)
-      _mm_prefetch(reinterpret_cast<const char*>(block + r * row) + at, _MM_HINT_T0);
+      _mm_prefetch(reinterpret_cast<const char*>(block + r * row) + at, _MM_HINT_T1);
 }
 
 // Decode attention for one sequence and one KV head, the G query heads that share it: scores,
