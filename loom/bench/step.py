@@ -5,9 +5,11 @@ each over `--context` cached tokens (the pool filled with random values, blocks 
 it), and the step is timed whole (`ModelRunner.execute_model`, greedy sampling included) and by
 part, each part over all layers with the model's real weights: the linear layers, the LM head,
 attention (K/V write, gather, SDPA). What is left (norms, rotary, residual adds, sampling,
-Python, and the parts slowing each other down through the caches) is the difference. A prefill
-step of `--prefill` prompts of `--prompt-len` tokens is timed whole. Figures are medians of
-`--repeats`.
+Python, and the parts slowing each other down through the caches) is the difference. Where a
+step's layers go into the kernels in one call (q4), "per op" is the same step with them called
+one by one from Python, as the other methods are: the difference is the dispatch saved. A
+prefill step of `--prefill` prompts of `--prompt-len` tokens is timed whole. Figures are
+medians of `--repeats`.
 """
 
 from __future__ import annotations
@@ -99,13 +101,14 @@ def run(args: argparse.Namespace) -> None:
         f"{args.context} tokens cached per sequence; ms, median of {args.repeats}"
     )
     print(
-        f"{'sequences':>10} {'step':>8} {'linear':>8} {'LM head':>8} {'attention':>10} {'rest':>8}"
+        f"{'sequences':>10} {'step':>8} {'per op':>8} {'linear':>8} {'LM head':>8} "
+        f"{'attention':>10} {'rest':>8}"
     )
     for num_seqs in sizes:
         parts = decode_parts(runner, num_seqs, args.context, args.repeats)
         rest = parts["step"] - parts["linear"] - parts["lm_head"] - parts["attention"]
         print(
-            f"{num_seqs:>10} {parts['step']:>8.2f} {parts['linear']:>8.2f} "
+            f"{num_seqs:>10} {parts['step']:>8.2f} {parts['per_op']:>8.2f} {parts['linear']:>8.2f} "
             f"{parts['lm_head']:>8.2f} {parts['attention']:>10.2f} {rest:>8.2f}"
         )
     prompts = scheduled(runner, args.prefill, 0, args.prompt_len, prefill=True)
@@ -155,8 +158,13 @@ def decode_parts(
             write_kv(k_cache, v_cache, kv, kv, metadata.slot_mapping)
             paged_attention(q, k_cache, v_cache, metadata, model.scale)
 
+    decode_weights = model.decode_weights
+    model.decode_weights = None  # the layers' kernels called one by one, from Python
+    per_op = median_ms(lambda: runner.execute_model(step), repeats)
+    model.decode_weights = decode_weights
     return {
         "step": median_ms(lambda: runner.execute_model(step), repeats),
+        "per_op": per_op,
         "linear": median_ms(linears, repeats),
         "lm_head": median_ms(lambda: model.lm_head(x), repeats),
         "attention": median_ms(attention, repeats),

@@ -197,8 +197,8 @@ def paged_attention(
     num_kv_heads, head_dim = k_cache.shape[2], k_cache.shape[3]
     group_size = query.shape[1] // num_kv_heads
     groups = metadata.groups
-    if metadata.decode_in_place and len(groups) == 1 and groups[0].query_index.shape[1] == 1:
-        return decode_in_place(query, k_cache, v_cache, groups[0], scale)  # all decodes, in order
+    if (decodes := decode_group(metadata)) is not None:
+        return decode_in_place(query, k_cache, v_cache, decodes, scale)
     out = torch.empty_like(query)
     for group in groups:
         num_seqs, num_queries = group.query_index.shape
@@ -220,6 +220,15 @@ def paged_attention(
         o = o.reshape(num_seqs * num_queries, -1, head_dim)
         out[group.output_index] = o if num_queries == 1 else o[group.valid.flatten()]
     return out
+
+
+def decode_group(metadata: AttentionMetadata) -> AttentionGroup | None:
+    """The step's one group where every sequence decodes one token and reads the pool in place
+    (the sequences in order), else None."""
+    groups = metadata.groups
+    if metadata.decode_in_place and len(groups) == 1 and groups[0].query_index.shape[1] == 1:
+        return groups[0]
+    return None
 
 
 def decode_in_place(

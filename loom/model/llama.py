@@ -23,6 +23,7 @@ import torch.nn.functional as F  # noqa: N812
 from loom.model.attention import (
     AttentionMetadata,
     can_decode_in_place,
+    decode_group,
     paged_attention,
     write_kv,
 )
@@ -79,6 +80,32 @@ def embedding_of(
     return functools.partial(F.embedding, weight=embed.clone())
 
 
+@attrs.frozen
+class DecodeWeights:
+    """The layers' tensors as `torch.ops.loom.llama_layers` takes them: ten a layer in
+    `weights`, four (qkv, o, gate_up, down) in `sizes` (output sizes) and `biases`."""
+
+    weights: list[torch.Tensor]
+    sizes: list[int]
+    biases: list[torch.Tensor | None]
+
+
+def decode_weights(layers: list[LlamaLayer]) -> DecodeWeights | None:
+    """The layers' tensors for one call, where every linear layer is in Q4_1 blocks; else None."""
+    out = DecodeWeights(weights=[], sizes=[], biases=[])
+    for layer in layers:
+        out.weights.append(layer.input_norm)
+        for linear in (layer.qkv, layer.o, layer.gate_up, layer.down):
+            if not isinstance(linear, BlockLinear) or linear.packed.bits != 4:
+                return None
+            out.weights.extend([linear.packed.q, linear.packed.dm])
+            out.sizes.append(linear.packed.n)
+            out.biases.append(linear.bias)
+            if linear is layer.o:
+                out.weights.append(layer.post_norm)
+    return out
+
+
 class LlamaModel:
     """The forward pass of a Llama-family causal LM, reading and writing K/V through the pool."""
 
@@ -131,6 +158,7 @@ class LlamaModel:
             self.fuse_layer(weights, f"model.layers.{i}.", linear)
             for i in range(config.num_hidden_layers)
         ]
+        self.decode_weights = decode_weights(self.layers) if self.fused else None  # q4: one call
 
     @staticmethod
     def fuse_layer(
@@ -183,6 +211,15 @@ class LlamaModel:
         # [-x2, x1] * sin == roll(x) * [-sin1, sin2], bit for bit, in one copy fewer.
         half = self.head_dim // 2
         sin = torch.cat([-sin[..., :half], sin[..., half:]], dim=-1)
+        decodes = decode_group(metadata)
+        if self.decode_weights is not None and decodes is not None:  # the same kernels, in C++
+            w = self.decode_weights
+            tables = decodes.block_index.view(len(decodes.seq_lens), -1)
+            out: torch.Tensor = torch.ops.loom.llama_layers(
+                hidden, cos, sin, metadata.slot_mapping, tables, decodes.seq_lens, w.weights,
+                w.sizes, w.biases, kv_cache.k, kv_cache.v, self.num_heads, self.eps, self.scale,
+            )  # fmt: skip
+            return out
         delta: torch.Tensor | None = None  # what the last MLP adds to the residual stream
         for layer, k_cache, v_cache in zip(self.layers, kv_cache.k, kv_cache.v, strict=True):
             x = self.add_norm(hidden, delta, layer.input_norm)

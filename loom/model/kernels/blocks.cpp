@@ -24,6 +24,7 @@
 #include <cstring>
 
 #include "activations.h"
+#include "ops.h"
 
 namespace {
 
@@ -320,9 +321,14 @@ at::Tensor r8_linear(const at::Tensor& x_in, const at::Tensor& wq, const at::Ten
 
 }  // namespace
 
+at::Tensor loom::q4r8_linear(const at::Tensor& x, const at::Tensor& wq, const at::Tensor& wdm,
+                             int64_t n, const c10::optional<at::Tensor>& bias) {
+  return r8_linear<Q4>(x, wq, wdm, n, bias);
+}
+
 TORCH_LIBRARY_FRAGMENT(loom, m) {
   m.def("q4r8_linear(Tensor x, Tensor wq, Tensor wdm, int n, Tensor? bias) -> Tensor",
-        &r8_linear<Q4>);
+        &loom::q4r8_linear);
   m.def("q8r8_linear(Tensor x, Tensor wq, Tensor wdm, int n, Tensor? bias) -> Tensor",
         &r8_linear<Q8>);
 }

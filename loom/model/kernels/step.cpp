@@ -1,7 +1,7 @@
 // The decode step's other kernels, for x86 CPUs with AVX2, float32 (the KV pool float32 or
 // float16): decode attention that reads the paged KV pool in place, and the small operations
 // fused (residual add + RMSNorm, rotary + the K/V write, SiLU * up). Built at run time with
-// blocks.cpp by loom/model/kernels/__init__.py.
+// blocks.cpp and layers.cpp by loom/model/kernels/__init__.py; declared in ops.h.
 
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
@@ -13,13 +13,10 @@
 #include <cstdint>
 #include <vector>
 
+#include "ops.h"
 #include "vec.h"
 
-namespace {
-
-using loom::hsum;
-using loom::load8;
-using loom::store8;
+namespace loom {
 
 // exp on 8 floats: n = round(x / ln 2), r = x - n ln 2, Cephes' polynomial for exp(r) on
 // |r| <= ln 2 / 2, times 2^n. x is clamped to [-87.3, 88.3]: below, exp gives 2^-126 (softmax
@@ -117,7 +114,7 @@ void attend(const float* q, const T* k_pool, const T* v_pool, const int64_t* tab
 }
 
 // The pool's K and V: float32 or float16, contiguous, alike, on the CPU.
-void check_pool(const at::Tensor& k_cache, const at::Tensor& v_cache) {
+inline void check_pool(const at::Tensor& k_cache, const at::Tensor& v_cache) {
   TORCH_CHECK(k_cache.scalar_type() == at::kFloat || k_cache.scalar_type() == at::kHalf,
               "the pool must be float32 or float16");
   TORCH_CHECK(k_cache.is_contiguous() && v_cache.is_contiguous() && k_cache.device().is_cpu() &&
@@ -317,13 +314,13 @@ at::Tensor silu_mul(const at::Tensor& gate_up_in) {
   return out;
 }
 
-}  // namespace
+}  // namespace loom
 
 TORCH_LIBRARY_FRAGMENT(loom, m) {
   m.def("paged_decode_attention(Tensor query, Tensor k_cache, Tensor v_cache, Tensor block_tables, "
-        "Tensor seq_lens, float scale) -> Tensor", &paged_decode_attention);
-  m.def("silu_mul(Tensor gate_up) -> Tensor", &silu_mul);
-  m.def("add_rms_norm(Tensor(a!) x, Tensor? delta, Tensor weight, float eps) -> Tensor", &add_rms_norm);
+        "Tensor seq_lens, float scale) -> Tensor", &loom::paged_decode_attention);
+  m.def("silu_mul(Tensor gate_up) -> Tensor", &loom::silu_mul);
+  m.def("add_rms_norm(Tensor(a!) x, Tensor? delta, Tensor weight, float eps) -> Tensor", &loom::add_rms_norm);
   m.def("rotary_write_kv(Tensor qkv, Tensor cos, Tensor sin, Tensor slots, Tensor(a!) k_cache, "
-        "Tensor(b!) v_cache, int num_heads) -> Tensor", &rotary_write_kv);
+        "Tensor(b!) v_cache, int num_heads) -> Tensor", &loom::rotary_write_kv);
 }
