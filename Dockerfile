@@ -26,9 +26,11 @@ RUN pip install --no-cache-dir -r requirements.lock \
 COPY loom ./loom
 RUN pip install --no-cache-dir --no-deps . \
  && python -m loom.model.loader \
- && python -c "from loom.model import kernels; kernels.unavailable() or kernels.load()"
-# The converted default model and the built kernels are baked into the cache, so the first start
-# takes seconds.
+ && python -c "from loom.model import kernels; kernels.unavailable() or kernels.load()" \
+ && LOOM_KERNELS=avx2 python -c "from loom.model import kernels; kernels.unavailable() or kernels.load()"
+# The converted default model and the built kernels (this CPU's choice, and the AVX2 build that
+# any host can run) are baked into the cache, each in a folder named by its sources' digest, so
+# that the first start loads them as they are and takes seconds.
 
 # ---- runtime: the environment and the cache, a fixed non-root user, writable paths for any UID
 FROM ${PYTHON_IMAGE}

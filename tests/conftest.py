@@ -60,11 +60,13 @@ def tiny_model(
     vocab_size: int = 512,
     tokenizer: Any = None,
     context: int = 512,
+    **config: Any,
 ) -> LoadedModel:
-    """A random-weight model; with a tokenizer, give `vocab_size=len(tokenizer)`."""
+    """A random-weight model; with a tokenizer, give `vocab_size=len(tokenizer)`; `config`
+    adds to or overrides the tiny shape (`attention_bias=True`, say)."""
     config_cls, model_cls = FAMILIES[family]
     torch.manual_seed(seed)
-    shape = {**TINY_SHAPE, "vocab_size": vocab_size, "max_position_embeddings": context}
+    shape = {**TINY_SHAPE, "vocab_size": vocab_size, "max_position_embeddings": context, **config}
     model = model_cls(config_cls(**shape)).eval()
     return LoadedModel(
         name=f"tiny-{family}",

@@ -7,9 +7,9 @@ part, each part over all layers with the model's real weights: the linear layers
 attention (K/V write, gather, SDPA). What is left (norms, rotary, residual adds, sampling,
 Python, and the parts slowing each other down through the caches) is the difference. Where a
 step's layers go into the kernels in one call (q4), "per op" is the same step with them called
-one by one from Python, as the other methods are: the difference is the dispatch saved. A
-prefill step of `--prefill` prompts of `--prompt-len` tokens is timed whole. Figures are
-medians of `--repeats`.
+one by one from Python, as the other methods are, the two timed in turn: the difference is the
+dispatch saved. A prefill step of `--prefill` prompts of `--prompt-len` tokens is timed whole.
+Figures are medians of `--repeats`.
 """
 
 from __future__ import annotations
@@ -158,17 +158,32 @@ def decode_parts(
             write_kv(k_cache, v_cache, kv, kv, metadata.slot_mapping)
             paged_attention(q, k_cache, v_cache, metadata, model.scale)
 
-    decode_weights = model.decode_weights
-    model.decode_weights = None  # the layers' kernels called one by one, from Python
-    per_op = median_ms(lambda: runner.execute_model(step), repeats)
-    model.decode_weights = decode_weights
+    def per_op() -> None:  # the layers' kernels called one by one, from Python
+        decode_weights, model.decode_weights = model.decode_weights, None
+        try:
+            runner.execute_model(step)
+        finally:
+            model.decode_weights = decode_weights
+
+    steps = alternating_ms({"step": lambda: runner.execute_model(step), "per_op": per_op}, repeats)
     return {
-        "step": median_ms(lambda: runner.execute_model(step), repeats),
-        "per_op": per_op,
+        **steps,
         "linear": median_ms(linears, repeats),
         "lm_head": median_ms(lambda: model.lm_head(x), repeats),
         "attention": median_ms(attention, repeats),
     }
+
+
+def alternating_ms(fns: dict[str, Callable[[], object]], repeats: int) -> dict[str, float]:
+    """Each function's median, the functions timed in turn, so that a drift in the machine's
+    speed falls on all of them alike."""
+    times: dict[str, list[float]] = {name: [] for name in fns}
+    for _ in range(repeats + 1):  # the first round warms up
+        for name, fn in fns.items():
+            start = time.perf_counter()
+            fn()
+            times[name].append((time.perf_counter() - start) * 1000)
+    return {name: statistics.median(t[1:]) for name, t in times.items()}
 
 
 def median_ms(fn: Callable[[], object], repeats: int) -> float:

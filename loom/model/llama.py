@@ -80,10 +80,11 @@ def embedding_of(
     return functools.partial(F.embedding, weight=embed.clone())
 
 
-@attrs.frozen
+@attrs.frozen(eq=False)
 class DecodeWeights:
     """The layers' tensors as `torch.ops.loom.llama_layers` takes them: ten a layer in
-    `weights`, four (qkv, o, gate_up, down) in `sizes` (output sizes) and `biases`."""
+    `weights`, four (qkv, o, gate_up, down) in `sizes` (output sizes) and `biases`. The very
+    tensors the layers hold, taken at load (nothing replaces a layer's tensors after it)."""
 
     weights: list[torch.Tensor]
     sizes: list[int]

@@ -14,14 +14,11 @@ import pytest
 import torch
 from gguf import GGUFReader
 
-from loom.bench.quality import BLOCK_SIZE, logits, runner_for
-from loom.core.step import ScheduledSequence
+from loom.bench.quality import logits, runner_for
 from loom.model import kernels
-from loom.model.attention import decode_group
 from loom.model.blocks import BLOCK, BlockLinear, pack, repack, unpack, unrepack
 from loom.model.linear import check_method, make_linear
 from loom.model.loader import LoadedModel, default_model_path
-from tests.conftest import tiny_model
 
 pytestmark = pytest.mark.skipif(
     kernels.unavailable() is not None, reason=f"Loom's CPU kernels: {kernels.unavailable()}"
@@ -241,55 +238,3 @@ def test_blocks_q4_through_the_runner_stays_close_to_the_exact_logits(tiny: Load
         assert float(error.max()) < 0.05, error
         agree = (q4.argmax(dim=-1) == exact.argmax(dim=-1)).float().mean()
         assert float(agree) >= 0.85, agree
-
-
-@pytest.mark.parametrize("family", ["llama", "qwen2"])  # qwen2: qkv's bias
-def test_blocks_q4_decode_layers_in_one_call_are_the_per_op_path_bit_for_bit(family: str) -> None:
-    """A q4 decode step of three sequences, its layers in one call into the kernels
-    (`torch.ops.loom.llama_layers`), gives the very hidden states and K/V pool of the same
-    kernels called one by one from Python."""
-    runner = runner_for(as_if_from_a_gguf(tiny_model(family)), "q4", 256)
-    model, pool = runner.model, runner.kv_cache
-    for layer in pool.k + pool.v:
-        layer.normal_()  # written pages
-    first_block = 1
-    sequences = []
-    for i, context in enumerate([5, 20, 37]):
-        used = -(-(context + 1) // BLOCK_SIZE)
-        table = tuple(range(first_block, first_block + used))
-        sequences.append(
-            ScheduledSequence(
-                request_id=str(i),
-                token_ids=(7 + i,),
-                num_computed_tokens=context,
-                block_table=table,
-            )
-        )
-        first_block += used
-    assert decode_group(runner.attention_metadata(sequences)) is not None
-    decode_weights = model.decode_weights
-    assert decode_weights is not None
-    before = [layer.clone() for layer in pool.k + pool.v]
-    fused = runner.forward(sequences)
-    fused_pool = [layer.clone() for layer in pool.k + pool.v]
-    for layer, saved in zip(pool.k + pool.v, before, strict=True):
-        layer.copy_(saved)
-    model.decode_weights = None  # the per-op path
-    per_op = runner.forward(sequences)
-    assert torch.equal(fused, per_op)
-    assert all(map(torch.equal, fused_pool, pool.k + pool.v))
-    assert not torch.equal(fused_pool[0], before[0])  # the step's keys were written
-
-
-def test_blocks_q4_decode_layers_refuse_a_layer_short_of_tensors() -> None:
-    """`llama_layers` checks its lists against the layers' count before reading any."""
-    runner = runner_for(as_if_from_a_gguf(tiny_model("llama")), "q4", 64)
-    w, pool = runner.model.decode_weights, runner.kv_cache
-    assert w is not None
-    hidden, cos = torch.zeros(1, runner.model.hidden_size), torch.zeros(1, 1, runner.model.head_dim)
-    one = torch.ones(1, dtype=torch.long)
-    with pytest.raises(RuntimeError, match="10 weights, 4 sizes and biases"):
-        torch.ops.loom.llama_layers(
-            hidden, cos, cos, one, one.view(1, 1), one, w.weights[:-1], w.sizes, w.biases,
-            pool.k, pool.v, runner.model.num_heads, 1e-5, 1.0,
-        )  # fmt: skip

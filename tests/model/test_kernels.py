@@ -1,8 +1,14 @@
 """Loom's CPU kernels against the torch operations they replace: decode attention read in place
 (every head size, grouped queries, a last block part-filled, padding block 0, both ways of
-splitting the work), the fused residual add + RMSNorm, rotary + the K/V write, SiLU * up."""
+splitting the work), the fused residual add + RMSNorm, rotary + the K/V write, SiLU * up; and
+the library built once, then loaded with no compiler."""
 
 from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -114,3 +120,49 @@ def test_kernels_silu_mul_is_silu_times_up_to_rounding() -> None:
     gate, up = gate_up.chunk(2, dim=-1)
     out = torch.ops.loom.silu_mul(gate_up)
     assert torch.allclose(out, F.silu(gate) * up, rtol=1e-6, atol=1e-6)
+
+
+def test_kernels_built_once_load_with_no_compiler_or_ninja() -> None:
+    """A built library (this session's) is loaded as it is: a process with no compiler and
+    nothing on PATH runs the kernels, as an image's runtime without g++ does."""
+    assert kernels.built(kernels.library_path(kernels.isa()))
+    code = (
+        "import torch; from loom.model import kernels; kernels.load(); "
+        "print(float(torch.ops.loom.silu_mul(torch.ones(1, 16)).sum()))"
+    )
+    env = {**os.environ, "CXX": "/nonexistent/c++", "PATH": "/nonexistent"}
+    done = subprocess.run(
+        [sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120
+    )
+    assert done.returncode == 0, done.stderr
+    # SiLU(1) * 1 for each of the 8 outputs (the 16 inputs are gate, then up)
+    assert float(done.stdout) == pytest.approx(8 / (1 + float(torch.exp(torch.tensor(-1.0)))))
+
+
+def test_kernels_not_built_and_no_compiler_say_what_is_missing(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv("TORCH_EXTENSIONS_DIR", str(tmp_path))  # nothing built there
+    monkeypatch.setenv("CXX", "/nonexistent/c++")
+    assert not kernels.built(kernels.library_path(kernels.isa()))
+    assert kernels.unavailable() == "building them needs /nonexistent/c++ on PATH"
+
+
+@pytest.mark.parametrize("changed", ["step.cpp", "vec.h"])
+def test_kernels_a_changed_source_is_built_anew_not_loaded_stale(
+    changed: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The library's folder is named by what it is built from: a source or header changed by a
+    byte names another folder, beside the first."""
+    before = kernels.library_path("avx2")
+    for name in ("SOURCES", "HEADERS"):
+        paths = list(getattr(kernels, name))
+        for i, path in enumerate(paths):
+            if path.name == changed:
+                copy = tmp_path / changed
+                copy.write_bytes(path.read_bytes() + b"\n")
+                paths[i] = copy
+        monkeypatch.setattr(kernels, name, paths)
+    after = kernels.library_path("avx2")
+    assert after != before
+    assert after.parent.parent == before.parent.parent

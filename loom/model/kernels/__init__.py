@@ -4,17 +4,17 @@ on the machine that runs them.
 
 torch's extension builder compiles them with the C++ compiler (`$CXX`, else `c++`: g++, for
 `-fopenmp` to share torch's OpenMP runtime) and ninja into torch's extension cache
-(`TORCH_EXTENSIONS_DIR`, else ~/.cache/torch_extensions), keyed by the source: the first use on
-a machine takes about 15 s on 2 cores, later ones load the library. They need AVX2, which every
-CPU this project runs on has. Building here rather than shipping a binary keeps one source for
-every CPU and leaves no compiled artefact in the repository.
+(`TORCH_EXTENSIONS_DIR`, else ~/.cache/torch_extensions), in a folder named by the digest of
+what they are built from (`library_path`): the first use on a machine takes about 15 s on 2
+cores; later ones load the library as it is, with no compiler or ninja needed. They need AVX2,
+which every CPU this project runs on has. Building here rather than shipping a binary keeps one
+source for every CPU and leaves no compiled artefact in the repository.
 
 Where the CPU has AVX-512 VNNI (Zen 4, recent Xeons), the block products use its int8 and int16
 dot products (`vpdpbusd`, `vpdpwssd`), two groups of 8 outputs in one 512-bit register; elsewhere
-AVX2's multiply-adds.
-The library is named by that choice, so that a cache built on one CPU (the image bakes one) is
-never loaded on a CPU without the instructions. `LOOM_KERNELS=avx2` builds the AVX2 products
-on any CPU (the tests check both where they can).
+AVX2's multiply-adds. The library is named by that choice, so that a cache built on one CPU
+(the image bakes one) is never loaded on a CPU without the instructions. `LOOM_KERNELS=avx2`
+builds the AVX2 products on any CPU (the tests check both where they can).
 """
 
 from __future__ import annotations
@@ -46,11 +46,39 @@ def isa() -> str:
     return "vnni" if {"avx512bw", "avx512vl", "avx512_vnni"} <= set(flags) else "avx2"
 
 
+def flags(chosen: str) -> list[str]:
+    """The compiler's flags for the products `chosen` (isa())."""
+    return [*FLAGS, *(VNNI_FLAGS if chosen == "vnni" else [])]
+
+
+def library_path(chosen: str) -> Path:
+    """Where the library built for `chosen` from these sources is: a folder of torch's extension
+    cache named by the digest of the sources, the headers, the flags and torch's version. So a
+    library once built is loaded as it is, with no compiler (an image bakes it), and a changed
+    source or flag builds a new one instead of loading a stale one."""
+    from torch.utils import cpp_extension
+
+    digest = hashlib.sha256(torch.__version__.encode())
+    digest.update(" ".join(flags(chosen)).encode())
+    for path in [*SOURCES, *HEADERS]:
+        digest.update(path.name.encode() + b"\0" + path.read_bytes())
+    folder = f"loom_kernels_{chosen}_{digest.hexdigest()[:16]}"
+    root = os.environ.get("TORCH_EXTENSIONS_DIR") or cpp_extension.get_default_build_root()
+    return Path(root) / folder / f"loom_kernels_{chosen}.so"
+
+
+def built(path: Path) -> bool:
+    """Whether the library at `path` is whole: there, and no build holding its folder's lock."""
+    return path.exists() and not (path.parent / "lock").exists()
+
+
 def unavailable() -> str | None:
-    """Why the kernels cannot run here, or None when they can."""
+    """Why the kernels cannot run here, or None when they can: built already, or buildable."""
     capability = torch.backends.cpu.get_cpu_capability()
     if capability not in ("AVX2", "AVX512"):
         return f"they need a CPU with AVX2; this one offers {capability}"
+    if built(library_path(isa())):
+        return None
     scripts = Path(sys.executable).parent  # pip's ninja, in an environment not on PATH
     if shutil.which("ninja") is None and (scripts / "ninja").exists():
         os.environ["PATH"] = f"{scripts}{os.pathsep}{os.environ.get('PATH', '')}"
@@ -63,24 +91,23 @@ def unavailable() -> str | None:
 
 @functools.cache
 def load() -> None:
-    """Build (once per machine) and load the kernels: `torch.ops.loom.*`."""
+    """Load the kernels, `torch.ops.loom.*`, building them first where they are not built."""
     reason = unavailable()
     if reason is not None:
         raise RuntimeError(f"Loom's CPU kernels cannot run here: {reason}")
+    chosen = isa()
+    path = library_path(chosen)
+    if built(path):
+        torch.ops.load_library(str(path))  # type: ignore[no-untyped-call]
+        return
     from torch.utils import cpp_extension
 
-    chosen = isa()
-    # torch's builder keys its cache by the sources and flags, not the headers they include:
-    # the headers' digest, as a flag, makes a change to one rebuild too.
-    headers = hashlib.sha256(b"".join(path.read_bytes() for path in HEADERS)).hexdigest()[:16]
-    cpp_extension.load(
-        name=f"loom_kernels_{chosen}",
-        sources=[str(path) for path in SOURCES],
-        extra_cflags=[
-            *FLAGS,
-            *(VNNI_FLAGS if chosen == "vnni" else []),
-            f"-DLOOM_HEADERS={headers}",
-        ],
+    path.parent.mkdir(parents=True, exist_ok=True)
+    cpp_extension.load(  # builds into the folder, then loads
+        name=path.stem,
+        sources=[str(source) for source in SOURCES],
+        extra_cflags=flags(chosen),
         extra_ldflags=["-fopenmp"],
+        build_directory=str(path.parent),
         is_python_module=False,
     )

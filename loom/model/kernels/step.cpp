@@ -17,6 +17,7 @@
 #include "vec.h"
 
 namespace loom {
+namespace {  // the helpers; the entry points (ops.h) are loom's
 
 // exp on 8 floats: n = round(x / ln 2), r = x - n ln 2, Cephes' polynomial for exp(r) on
 // |r| <= ln 2 / 2, times 2^n. x is clamped to [-87.3, 88.3]: below, exp gives 2^-126 (softmax
@@ -38,8 +39,8 @@ inline __m256 exp8(__m256 x) {
 
 // Asks for a block's rows of one head (dim values at a stride of row) to be brought into L2.
 // Into L2, not L1: a request to L1 holds one of its few miss buffers until the line arrives,
-// and a block's 32 lines of keys and 32 of values fill them (64 sequences' attention at 192
-// tokens: 37 ms into L1, 24 ms into L2, on a Zen 4, fp16 pool).
+// and a block's rows fill them (16 rows of a 64-dim fp16 head: 16 lines of keys, 16 of values;
+// 64 sequences' attention at 192 tokens: 37 ms into L1, 24 ms into L2, on a Zen 4).
 template <typename T>
 inline void prefetch_block(const T* block, int64_t rows, int64_t row, int64_t dim) {
   for (int64_t r = 0; r < rows; ++r)
@@ -153,6 +154,8 @@ void attend_all(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor
   });
 }
 
+}  // namespace
+
 // Decode attention read in place from the paged pool: query [S, H_q, D] (one token per
 // sequence), k/v cache [blocks, block_size, H_kv, D], block_tables [S, B] (int64), seq_lens [S]:
 // sequence s attends its first seq_lens[s] keys, key l at row l % block_size of block
@@ -167,7 +170,8 @@ at::Tensor paged_decode_attention(const at::Tensor& query, const at::Tensor& k_c
   const at::Tensor lens = seq_lens.to(at::kLong).contiguous();
   const int64_t seqs = q.size(0), heads = q.size(1), dim = q.size(2), kv_heads = k_cache.size(2);
   TORCH_CHECK(heads % kv_heads == 0 && k_cache.size(3) == dim, "query and pool do not match");
-  TORCH_CHECK(q.device().is_cpu(), "the queries must be on the CPU");
+  TORCH_CHECK(q.device().is_cpu() && block_tables.device().is_cpu() && seq_lens.device().is_cpu(),
+              "the queries, block tables and lengths must be on the CPU");
   TORCH_CHECK(tables.size(0) == seqs && lens.numel() == seqs, "a block table and length per sequence");
   const int64_t num_blocks = k_cache.size(0);
   for (int64_t i = 0; i < tables.numel(); ++i)
@@ -191,7 +195,9 @@ at::Tensor add_rms_norm(at::Tensor x, const c10::optional<at::Tensor>& delta,
               "add_rms_norm takes contiguous float32 [T, H]");
   const int64_t rows = x.size(0), h = x.size(1);
   TORCH_CHECK(h % 8 == 0 && weight.numel() == h, "hidden size must be a multiple of 8");
-  TORCH_CHECK(x.device().is_cpu(), "add_rms_norm runs on the CPU");
+  TORCH_CHECK(x.device().is_cpu() && weight.device().is_cpu() &&
+                  (!delta.has_value() || delta->device().is_cpu()),
+              "add_rms_norm runs on the CPU");
   at::Tensor d;
   if (delta.has_value()) d = delta->contiguous();
   TORCH_CHECK(!delta.has_value() || (d.sizes() == x.sizes() && d.scalar_type() == at::kFloat),
@@ -223,6 +229,8 @@ at::Tensor add_rms_norm(at::Tensor x, const c10::optional<at::Tensor>& delta,
   });
   return out;
 }
+
+namespace {
 
 // rotary_write_kv's rows, into a pool of T (float or at::Half).
 template <typename T>
@@ -262,6 +270,8 @@ void rotary_rows(const at::Tensor& qkv, const at::Tensor& cos, const at::Tensor&
   });
 }
 
+}  // namespace
+
 // The attention block's elementwise work between the qkv product and attention, in one pass:
 // rotary embedding of q and k (x * cos + roll(x, D / 2) * sin, where sin's first half is
 // negated: transformers' rotate_half), then k and v written to the pool at their slots.
@@ -276,7 +286,9 @@ at::Tensor rotary_write_kv(const at::Tensor& qkv_in, const at::Tensor& cos_in,
   const int64_t tokens = qkv.size(0), kv_heads = k_cache.size(2), dim = k_cache.size(3);
   const int64_t half = dim / 2, width = (num_heads + 2 * kv_heads) * dim;
   TORCH_CHECK(qkv.size(1) == width && half % 8 == 0, "qkv does not match the heads");
-  TORCH_CHECK(qkv.device().is_cpu(), "qkv must be on the CPU");
+  TORCH_CHECK(qkv.device().is_cpu() && cos.device().is_cpu() && sin.device().is_cpu() &&
+                  slots.device().is_cpu(),
+              "qkv, cos, sin and the slots must be on the CPU");
   TORCH_CHECK(slots.numel() == tokens && cos.numel() == tokens * dim && sin.numel() == tokens * dim,
               "a slot, cos and sin per token");
   const int64_t num_slots = k_cache.numel() / (kv_heads * dim);
@@ -295,7 +307,8 @@ at::Tensor rotary_write_kv(const at::Tensor& qkv_in, const at::Tensor& cos_in,
 // SiLU(g) = g / (1 + exp(-g)), torch's formula, with exp8 for exp (so within rounding of torch).
 at::Tensor silu_mul(const at::Tensor& gate_up_in) {
   const at::Tensor gate_up = gate_up_in.contiguous();
-  TORCH_CHECK(gate_up.scalar_type() == at::kFloat && gate_up.dim() == 2, "silu_mul takes float32 [T, 2I]");
+  TORCH_CHECK(gate_up.scalar_type() == at::kFloat && gate_up.dim() == 2 && gate_up.device().is_cpu(),
+              "silu_mul takes float32 [T, 2I] on the CPU");
   const int64_t rows = gate_up.size(0), width = gate_up.size(1) / 2;
   TORCH_CHECK(width % 8 == 0 && gate_up.size(1) == 2 * width, "intermediate size must be a multiple of 8");
   at::Tensor out = at::empty({rows, width}, gate_up.options());

@@ -1,0 +1,150 @@
+"""The Llama-family forward's one-call decode step (`torch.ops.loom.llama_layers`,
+loom/model/kernels/layers.cpp): the same bits as the per-op path, with biases and norms that
+would show a tensor taken from the wrong place, and its checks against malformed calls."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import attrs
+import pytest
+import torch
+
+from loom.bench.quality import BLOCK_SIZE
+from loom.core.config import CacheConfig
+from loom.core.step import ScheduledSequence
+from loom.model import kernels
+from loom.model.attention import decode_group
+from loom.model.model_runner import ModelRunner
+from tests.conftest import tiny_model
+from tests.model.test_blocks import as_if_from_a_gguf
+
+pytestmark = pytest.mark.skipif(
+    kernels.unavailable() is not None, reason=f"Loom's CPU kernels: {kernels.unavailable()}"
+)
+
+
+def decode_runner(kv_cache_dtype: str = "auto", **config: Any) -> ModelRunner:
+    """A tiny q4 model whose biases (qwen2's qkv; llama's with `attention_bias`) and norms are
+    random, not transformers' zeros and ones, so that a bias or a norm taken from the wrong
+    place shows; its pool of 16 blocks filled with random values, as written pages."""
+    family = config.pop("family", "llama")
+    loaded = tiny_model(family, **config)
+    for name, p in loaded.model.named_parameters():
+        if name.endswith(".bias"):
+            p.data.normal_()
+        elif name.endswith("norm.weight"):
+            p.data.uniform_(0.5, 1.5)
+    cache = CacheConfig(block_size=BLOCK_SIZE, num_blocks=17, kv_cache_dtype=kv_cache_dtype)
+    runner = ModelRunner(attrs.evolve(as_if_from_a_gguf(loaded), quantization="q4"), cache)
+    for layer in runner.kv_cache.k + runner.kv_cache.v:
+        layer.normal_()
+    return runner
+
+
+def decode_step(contexts: list[int]) -> list[ScheduledSequence]:
+    """A decode step: sequence i decodes one token over contexts[i] cached ones, its blocks
+    after the sequence before it's."""
+    sequences, first_block = [], 1
+    for i, context in enumerate(contexts):
+        used = -(-(context + 1) // BLOCK_SIZE)
+        table = tuple(range(first_block, first_block + used))
+        sequences.append(
+            ScheduledSequence(
+                request_id=str(i),
+                token_ids=(7 + i,),
+                num_computed_tokens=context,
+                block_table=table,
+            )
+        )
+        first_block += used
+    return sequences
+
+
+@pytest.mark.parametrize(
+    "config",
+    [{}, {"family": "qwen2"}, {"attention_bias": True}, {"kv_cache_dtype": "fp16"}],
+    ids=["llama", "qwen2-qkv-bias", "llama-attention-bias", "llama-fp16-pool"],
+)
+def test_blocks_q4_decode_layers_in_one_call_are_the_per_op_path_bit_for_bit(
+    config: dict[str, Any],
+) -> None:
+    """A q4 decode step of three sequences, its layers in one call into the kernels
+    (`torch.ops.loom.llama_layers`), gives the very hidden states and K/V pool of the same
+    kernels called one by one from Python."""
+    config = dict(config)
+    runner = decode_runner(config.pop("kv_cache_dtype", "auto"), **config)
+    model, pool = runner.model, runner.kv_cache
+    sequences = decode_step([5, 20, 37])
+    assert decode_group(runner.attention_metadata(sequences)) is not None
+    decode_weights = model.decode_weights
+    assert decode_weights is not None
+    assert any(b is not None for b in decode_weights.biases) == bool(config)
+    before = [layer.clone() for layer in pool.k + pool.v]
+    fused = runner.forward(sequences)
+    fused_pool = [layer.clone() for layer in pool.k + pool.v]
+    for layer, saved in zip(pool.k + pool.v, before, strict=True):
+        layer.copy_(saved)
+    model.decode_weights = None  # the per-op path
+    per_op = runner.forward(sequences)
+    assert torch.equal(fused, per_op)
+    assert all(map(torch.equal, fused_pool, pool.k + pool.v))
+    assert not torch.equal(fused_pool[0], before[0])  # the step's keys were written
+
+
+def llama_layers_args(runner: ModelRunner) -> dict[str, Any]:
+    """A well-formed call of `llama_layers` for one sequence decoding over an empty pool."""
+    w, pool, model = runner.model.decode_weights, runner.kv_cache, runner.model
+    assert w is not None
+    one = torch.ones(1, dtype=torch.long)
+    return {
+        "hidden": torch.ones(1, model.hidden_size),
+        "cos": torch.ones(1, 1, model.head_dim),
+        "sin": torch.zeros(1, 1, model.head_dim),
+        "slots": one * BLOCK_SIZE,
+        "block_tables": one.view(1, 1),
+        "seq_lens": one,
+        "weights": list(w.weights),
+        "sizes": list(w.sizes),
+        "biases": list(w.biases),
+        "k_caches": pool.k,
+        "v_caches": pool.v,
+        "num_heads": model.num_heads,
+        "eps": model.eps,
+        "scale": model.scale,
+    }
+
+
+@pytest.mark.parametrize("short", ["weights", "sizes", "biases", "v_caches"])
+def test_blocks_q4_decode_layers_refuse_a_layer_short_of_tensors(short: str) -> None:
+    """`llama_layers` checks its lists against the layers' count before reading any."""
+    args = llama_layers_args(decode_runner())
+    torch.ops.loom.llama_layers(**args)  # well-formed: runs
+    args[short] = args[short][:-1]
+    with pytest.raises(RuntimeError, match="10 weights, 4 sizes and biases"):
+        torch.ops.loom.llama_layers(**args)
+
+
+@pytest.mark.parametrize(
+    ("index", "wrong"),
+    [
+        (10 + 1, lambda w: w[:, :-1]),  # layer 1's qkv blocks, one block of inputs short
+        (10 + 2, lambda w: w.float()),  # its qkv scales in float32
+        (10 + 5, lambda w: w[:-8]),  # its post-attention norm, short
+        (10 + 8, lambda w: w.to(torch.int8)),  # its down blocks, signed
+    ],
+)
+def test_blocks_q4_decode_layers_refuse_a_malformed_layer_before_any_runs(
+    index: int, wrong: Callable[[torch.Tensor], torch.Tensor]
+) -> None:
+    """A malformed tensor in the second layer is refused, by its layer, before the first layer
+    writes the residual stream or the pool."""
+    runner = decode_runner()
+    args = llama_layers_args(runner)
+    args["weights"][index] = wrong(args["weights"][index])
+    hidden, pool = args["hidden"].clone(), [t.clone() for t in runner.kv_cache.k]
+    with pytest.raises(RuntimeError, match="layer 1: "):
+        torch.ops.loom.llama_layers(**args)
+    assert torch.equal(args["hidden"], hidden)
+    assert all(map(torch.equal, pool, runner.kv_cache.k))
