@@ -11,7 +11,7 @@ ENV PIP_NO_CACHE_DIR=1 \
     PATH=/opt/loom/bin:$PATH \
     LOOM_CACHE_DIR=/var/cache/loom \
     TORCH_EXTENSIONS_DIR=/var/cache/loom/torch_extensions
-# g++ builds Loom's CPU kernels (loom/model/kernels), here once and again if their source changes.
+# g++ builds Loom's CPU kernels (loom/model/kernels), here only: the runtime stage has no compiler.
 RUN apt-get update \
  && apt-get install -y --no-install-recommends "g++=4:12.2.0-3" \
  && rm -rf /var/lib/apt/lists/*
@@ -29,8 +29,8 @@ RUN pip install --no-cache-dir --no-deps . \
  && python -c "from loom.model import kernels; kernels.unavailable() or kernels.load()" \
  && LOOM_KERNELS=avx2 python -c "from loom.model import kernels; kernels.unavailable() or kernels.load()"
 # The converted default model and the built kernels (this CPU's choice, and the AVX2 build that
-# any host can run) are baked into the cache, each in a folder named by its sources' digest, so
-# that the first start loads them as they are and takes seconds.
+# any host can run, loaded where the host's choice was not baked) are baked into the cache, each
+# in a folder named by its sources' digest: a start loads them as they are, with no compiler.
 
 # ---- runtime: the environment and the cache, a fixed non-root user, writable paths for any UID
 FROM ${PYTHON_IMAGE}
@@ -42,9 +42,6 @@ ENV PATH=/opt/loom/bin:$PATH \
     LOOM_CACHE_DIR=/var/cache/loom \
     TORCH_EXTENSIONS_DIR=/var/cache/loom/torch_extensions \
     PYTHONUNBUFFERED=1
-RUN apt-get update \
- && apt-get install -y --no-install-recommends "g++=4:12.2.0-3" \
- && rm -rf /var/lib/apt/lists/*
 RUN useradd --uid "${LOOM_UID}" --gid 0 --home-dir /home/loom --create-home \
         --shell /usr/sbin/nologin loom
 COPY --from=build /opt/loom /opt/loom

@@ -166,3 +166,25 @@ def test_kernels_a_changed_source_is_built_anew_not_loaded_stale(
     after = kernels.library_path("avx2")
     assert after != before
     assert after.parent.parent == before.parent.parent
+
+
+@pytest.mark.parametrize("compiler", [None, "/nonexistent/c++"])
+def test_kernels_vnni_s_library_missing_falls_back_to_a_built_avx2_one_only_with_no_compiler(
+    compiler: str | None, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """On a CPU with VNNI whose library is not built: with a compiler it is built (the faster
+    products); with none, the AVX2 library baked beside it is loaded instead of none."""
+    monkeypatch.setenv("TORCH_EXTENSIONS_DIR", str(tmp_path))
+    if compiler is not None:
+        monkeypatch.setenv("CXX", compiler)
+    monkeypatch.setattr(kernels, "isa", lambda: "vnni")
+    avx2 = kernels.library_path("avx2")
+    avx2.parent.mkdir(parents=True)
+    avx2.write_bytes(b"")  # built, as far as choosing goes (never loaded here)
+    assert not kernels.built(kernels.library_path("vnni"))
+    if compiler is None:
+        assert kernels.unbuildable() is None  # this machine builds (g++ and ninja)
+        assert kernels.choice() == "vnni"
+    else:
+        assert kernels.choice() == "avx2"
+        assert kernels.unavailable() is None

@@ -72,13 +72,8 @@ def built(path: Path) -> bool:
     return path.exists() and not (path.parent / "lock").exists()
 
 
-def unavailable() -> str | None:
-    """Why the kernels cannot run here, or None when they can: built already, or buildable."""
-    capability = torch.backends.cpu.get_cpu_capability()
-    if capability not in ("AVX2", "AVX512"):
-        return f"they need a CPU with AVX2; this one offers {capability}"
-    if built(library_path(isa())):
-        return None
+def unbuildable() -> str | None:
+    """Why the kernels cannot be built here (no compiler or no ninja), or None."""
     scripts = Path(sys.executable).parent  # pip's ninja, in an environment not on PATH
     if shutil.which("ninja") is None and (scripts / "ninja").exists():
         os.environ["PATH"] = f"{scripts}{os.pathsep}{os.environ.get('PATH', '')}"
@@ -89,13 +84,34 @@ def unavailable() -> str | None:
     return None
 
 
+def choice() -> str:
+    """The library to load: isa()'s, or the AVX2 one where isa()'s is neither built nor
+    buildable and AVX2's is built (an image baked on a CPU without VNNI, run on one with it)."""
+    preferred = isa()
+    if preferred == "avx2" or built(library_path(preferred)):
+        return preferred
+    if built(library_path("avx2")) and unbuildable() is not None:
+        return "avx2"
+    return preferred
+
+
+def unavailable() -> str | None:
+    """Why the kernels cannot run here, or None when they can: built already, or buildable."""
+    capability = torch.backends.cpu.get_cpu_capability()
+    if capability not in ("AVX2", "AVX512"):
+        return f"they need a CPU with AVX2; this one offers {capability}"
+    if built(library_path(choice())):
+        return None
+    return unbuildable()
+
+
 @functools.cache
 def load() -> None:
     """Load the kernels, `torch.ops.loom.*`, building them first where they are not built."""
     reason = unavailable()
     if reason is not None:
         raise RuntimeError(f"Loom's CPU kernels cannot run here: {reason}")
-    chosen = isa()
+    chosen = choice()
     path = library_path(chosen)
     if built(path):
         torch.ops.load_library(str(path))  # type: ignore[no-untyped-call]
