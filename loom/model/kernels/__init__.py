@@ -40,10 +40,10 @@ def isa() -> str:
     if os.environ.get("LOOM_KERNELS") == "avx2":
         return "avx2"
     try:
-        flags = Path("/proc/cpuinfo").read_text().split()
+        cpu_flags = set(Path("/proc/cpuinfo").read_text().split())
     except OSError:
         return "avx2"
-    return "vnni" if {"avx512bw", "avx512vl", "avx512_vnni"} <= set(flags) else "avx2"
+    return "vnni" if {"avx512bw", "avx512vl", "avx512_vnni"} <= cpu_flags else "avx2"
 
 
 def flags(chosen: str) -> list[str]:
