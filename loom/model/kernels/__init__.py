@@ -56,15 +56,21 @@ def library_path(chosen: str) -> Path:
     cache named by the digest of the sources, the headers, the flags and torch's version. So a
     library once built is loaded as it is, with no compiler (an image bakes it), and a changed
     source or flag builds a new one instead of loading a stale one."""
-    from torch.utils import cpp_extension
-
     digest = hashlib.sha256(torch.__version__.encode())
     digest.update(" ".join(flags(chosen)).encode())
     for path in [*SOURCES, *HEADERS]:
         digest.update(path.name.encode() + b"\0" + path.read_bytes())
     folder = f"loom_kernels_{chosen}_{digest.hexdigest()[:16]}"
-    root = os.environ.get("TORCH_EXTENSIONS_DIR") or cpp_extension.get_default_build_root()
-    return Path(root) / folder / f"loom_kernels_{chosen}.so"
+    return extensions_root() / folder / f"loom_kernels_{chosen}.so"
+
+
+def extensions_root() -> Path:
+    """torch's extension cache; its builder (and setuptools) imported only where it is unset."""
+    if root := os.environ.get("TORCH_EXTENSIONS_DIR"):
+        return Path(root)
+    from torch.utils import cpp_extension
+
+    return Path(cpp_extension.get_default_build_root())
 
 
 def built(path: Path) -> bool:
