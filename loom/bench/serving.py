@@ -199,6 +199,13 @@ async def drive_conversations(
     return timings, duration, await server.summary()
 
 
+PORT_LINES = {
+    "grpc": r"serving on [\w.:\[\]]+:(\d+)",
+    "http": r"HTTP API on http://[\w.:\[\]]+:(\d+)",
+    "metrics": r"metrics on http://[\w.:\[\]]+:(\d+)",
+}
+
+
 @contextmanager
 def launched_process(
     serve_args: list[str],
@@ -209,21 +216,23 @@ def launched_process(
     """`python -m MODULE serve --port 0 ...` in a child process (`preexec_fn` runs in it
     first); yields its port, once it serves, and the process (stopped with SIGTERM on the way
     out, unless it has exited). With `--http-port` among the flags, `ports["http"]` is the
-    HTTP API's."""
-    # Its port comes from its INFO line "serving on HOST:PORT": the log level stays info.
+    HTTP API's; with `--metrics-port`, `ports["metrics"]` is the metrics port's (say 0: a port
+    picked here and then passed on could be taken by another process in between)."""
+    # Its ports come from its INFO lines ("serving on HOST:PORT"): the log level stays info.
     command = [sys.executable, "-m", module, "serve", "--port", "0", *serve_args]
     command += ["--log-level", "info"]
     process = subprocess.Popen(command, stderr=subprocess.PIPE, text=True, preexec_fn=preexec_fn)
     assert process.stderr is not None
     reader = threading.Thread(target=process.stderr.read, daemon=True)  # keeps the pipe flowing
+    found = ports if ports is not None else {}
     try:
         port = None
         for line in process.stderr:
-            if match := re.search(r"serving on [\w.:\[\]]+:(\d+)", line):
-                port = int(match.group(1))
-            if match := re.search(r"HTTP API on http://[\w.:\[\]]+:(\d+)", line):
-                (ports if ports is not None else {})["http"] = int(match.group(1))
-            if port is not None and ("--http-port" not in serve_args or match):
+            for name, pattern in PORT_LINES.items():
+                if match := re.search(pattern, line):
+                    found[name] = int(match.group(1))
+            port = found.pop("grpc", port)
+            if port is not None and ("--http-port" not in serve_args or "http" in found):
                 break
         if port is None:
             raise RuntimeError(f"loom serve exited with {process.wait()} before serving")

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import http.client
 import itertools
-import socket
 import statistics
 import threading
 import time
@@ -29,12 +28,6 @@ from loom.server.metrics import MAX_SCRAPERS, SCRAPE_SECONDS
 from loom.server.supervisor import Supervisor
 from loom.v1.loom_grpc import LoomStub
 from tests.grpc_client import HOST, greedy, run_client
-
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind((HOST, 0))
-        return int(sock.getsockname()[1])
 
 
 def scrape(port: int) -> int:
@@ -66,8 +59,9 @@ def test_metrics_port_holds_a_bounded_number_of_scrapers_for_a_bounded_time() ->
     """40 connections that send nothing: the first `MAX_SCRAPERS` are held, the others told
     503 and closed at once; the held ones are closed after `SCRAPE_SECONDS`; then a scrape is
     answered."""
-    port = free_port()
-    with launched_process(["--model", "sim", "--metrics-port", str(port)]):
+    ports: dict[str, int] = {}
+    with launched_process(["--model", "sim", "--metrics-port", "0"], ports=ports):
+        port = ports["metrics"]
         silent = attacks.silent_connections(HOST, port, 40)
         closed = attacks.when_closed(silent, seconds=SCRAPE_SECONDS + 3)
         status = scrape(port)
@@ -98,8 +92,10 @@ def itls(port: int, tokens: int) -> list[float]:
 def test_metrics_a_scrape_storm_costs_a_stream_little() -> None:
     """Hundreds of scrapes a second beside one stream (before: 210 a second took its ITL p99
     from 15 ms to 182 ms, every scrape calling into the engine's thread)."""
-    port = free_port()
-    with launched_process(["--model", "sim:step_ms=10", "--metrics-port", str(port)]) as (grpc, _):
+    ports: dict[str, int] = {}
+    serve = ["--model", "sim:step_ms=10", "--metrics-port", "0"]
+    with launched_process(serve, ports=ports) as (grpc, _):
+        port = ports["metrics"]
         idle = itls(grpc, 300)
         statuses = Counter[int]()
         stop = threading.Event()
