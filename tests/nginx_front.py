@@ -4,6 +4,7 @@ its listening port (a free one on loopback) and its upstreams (the replicas give
 from __future__ import annotations
 
 import os
+import random
 import shutil
 import socket
 import subprocess
@@ -24,9 +25,16 @@ def nginx_path() -> str | None:
 
 
 def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
+    """A free port below the kernel's ephemeral range (32768 up, ip_local_port_range), so no
+    connection made meanwhile can be given it before nginx binds it (one from `bind(0)` could)."""
+    for port in random.sample(range(20000, 32768), 200):
+        with socket.socket() as sock:
+            try:
+                sock.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+            return port
+    raise RuntimeError("no free port in 20000-32767")
 
 
 def write_upstreams(folder: Path, ports: list[int]) -> None:
