@@ -51,6 +51,7 @@ class AttentionGroup:
     query_index: torch.Tensor  # [S, Q] flat token index of each query (padding repeats one)
     block_index: torch.Tensor  # [S * B] block of each key block, row by row (padding: block 0)
     mask: torch.Tensor  # [S, 1, G * Q or 1, B * block_size] additive: 0 where row g * Q + i attends
+    window_masks: dict[int, torch.Tensor]  # the same, for each sliding window: the nearest keys
     valid: torch.Tensor  # [S, Q] True for real (unpadded) queries
     output_index: torch.Tensor  # [N] flat token index of each real query, in `valid` order
     seq_lens: torch.Tensor  # [S] keys each sequence attends
@@ -89,9 +90,11 @@ def build_attention_metadata(
     num_queries_per_kv: int = 1,
     dtype: torch.dtype = torch.float32,
     decode_in_place: bool = False,
+    windows: Sequence[int] = (),
 ) -> AttentionMetadata:
     """`num_queries_per_kv` (G): query heads per KV head, folded into the query axis. `dtype`: the
-    queries' (the additive mask is built in it, once per step rather than by SDPA per layer)."""
+    queries' (the additive mask is built in it, once per step rather than by SDPA per layer).
+    `windows`: the layers' sliding windows, a mask each."""
     starts = [0]
     for q_len in query_lens:
         starts.append(starts[-1] + q_len)
@@ -113,6 +116,7 @@ def build_attention_metadata(
             device,
             num_queries_per_kv,
             dtype,
+            windows,
         )
         for members in (decode, prefill)
         if members
@@ -137,6 +141,7 @@ def build_group(
     device: torch.device,
     num_queries_per_kv: int,
     dtype: torch.dtype,
+    windows: Sequence[int] = (),
 ) -> AttentionGroup:
     computed = torch.tensor(num_computed, dtype=torch.long)
     q_lens = torch.tensor(query_lens, dtype=torch.long)
@@ -155,18 +160,34 @@ def build_group(
     # so every row has at least one key and SDPA never sees a fully masked row.
     query_pos = computed[:, None] + last_offset  # [S, Q]
     key_pos = torch.arange(max_blocks * block_size)
-    allowed = key_pos[None, None, :] <= query_pos[:, :, None]  # [S, Q, L]
-    if max_q > 1:  # one row per folded query; a decode's single row broadcasts over G
-        allowed = allowed.repeat(1, num_queries_per_kv, 1)
-    mask = torch.zeros(allowed.shape, dtype=dtype).masked_fill_(~allowed, float("-inf"))
+    distance = query_pos[:, :, None] - key_pos[None, None, :]  # [S, Q, L]
+    mask = additive_mask(distance >= 0, max_q > 1, num_queries_per_kv, dtype)
+    # A window w keeps the keys 0 <= distance < w (transformers' sliding window), the query's
+    # own key among them: no row is ever fully masked.
+    window_masks = {
+        w: additive_mask((distance >= 0) & (distance < w), max_q > 1, num_queries_per_kv, dtype)
+        for w in windows
+    }
     return AttentionGroup(
         query_index=query_index.to(device),
         block_index=tables.reshape(-1).to(device),
-        mask=mask[:, None].to(device),
+        mask=mask.to(device),
+        window_masks={w: m.to(device) for w, m in window_masks.items()},
         valid=valid.to(device),
         output_index=query_index[valid].to(device),
         seq_lens=(computed + q_lens).to(device),
     )
+
+
+def additive_mask(
+    allowed: torch.Tensor, prefill: bool, num_queries_per_kv: int, dtype: torch.dtype
+) -> torch.Tensor:
+    """[S, Q, L] allowed -> [S, 1, G * Q or 1, L]: 0 where allowed, -inf elsewhere; one row per
+    folded query, where a decode's single row broadcasts over G."""
+    if prefill:
+        allowed = allowed.repeat(1, num_queries_per_kv, 1)
+    mask = torch.zeros(allowed.shape, dtype=dtype).masked_fill_(~allowed, float("-inf"))
+    return mask[:, None]
 
 
 def write_kv(
@@ -188,8 +209,11 @@ def paged_attention(
     v_cache: torch.Tensor,
     metadata: AttentionMetadata,
     scale: float,
+    window: int | None = None,
+    softcap: float | None = None,
 ) -> torch.Tensor:
-    """Causal attention of the flat queries [T, H_q, D] over the keys their block tables name.
+    """Causal attention of the flat queries [T, H_q, D] over the keys their block tables name
+    (within `window` of each query, where given; scores soft-capped, where `softcap` is).
 
     Grouped-query attention without expanding K/V: query head h reads KV head h // G, so the G
     query heads of a KV head are folded into the query axis, `[S, H_kv, G * Q, D]` (measured 15%
@@ -198,13 +222,13 @@ def paged_attention(
     group_size = query.shape[1] // num_kv_heads
     groups = metadata.groups
     if (decodes := decode_group(metadata)) is not None:
-        return decode_in_place(query, k_cache, v_cache, decodes, scale)
+        return decode_in_place(query, k_cache, v_cache, decodes, scale, window, softcap)
     out = torch.empty_like(query)
     for group in groups:
         num_seqs, num_queries = group.query_index.shape
         if num_queries == 1 and metadata.decode_in_place:
             out[group.output_index] = decode_in_place(
-                query[group.output_index], k_cache, v_cache, group, scale
+                query[group.output_index], k_cache, v_cache, group, scale, window, softcap
             )
             continue
         keys = k_cache.index_select(0, group.block_index).view(num_seqs, -1, num_kv_heads, head_dim)
@@ -213,13 +237,30 @@ def paged_attention(
         keys, values = keys.to(query.dtype), values.to(query.dtype)  # a float16 pool
         q = query[group.query_index].view(num_seqs, num_queries, num_kv_heads, group_size, head_dim)
         q = q.permute(0, 2, 3, 1, 4).reshape(num_seqs, num_kv_heads, group_size * num_queries, -1)
-        o = F.scaled_dot_product_attention(
-            q, keys.transpose(1, 2), values.transpose(1, 2), attn_mask=group.mask, scale=scale
-        )  # [S, H_kv, G * Q, D]
+        mask = group.mask if window is None else group.window_masks[window]
+        o = attend(q, keys.transpose(1, 2), values.transpose(1, 2), mask, scale, softcap)
         o = o.view(num_seqs, num_kv_heads, group_size, num_queries, head_dim).permute(0, 3, 1, 2, 4)
         o = o.reshape(num_seqs * num_queries, -1, head_dim)
         out[group.output_index] = o if num_queries == 1 else o[group.valid.flatten()]
     return out
+
+
+def attend(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    mask: torch.Tensor,
+    scale: float,
+    softcap: float | None,
+) -> torch.Tensor:
+    """[S, H_kv, G * Q, D] queries over [S, H_kv, L, D] keys and values: SDPA, or with a soft
+    cap (which SDPA has not) as transformers' eager attention: `cap * tanh(scores / cap)`, then
+    the mask, softmax in float32."""
+    if softcap is None:
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale)
+    scores = torch.matmul(q, k.transpose(2, 3)) * scale
+    scores = torch.tanh(scores / softcap) * softcap + mask
+    return torch.matmul(torch.softmax(scores, dim=-1, dtype=torch.float32).to(q.dtype), v)
 
 
 def decode_group(metadata: AttentionMetadata) -> AttentionGroup | None:
@@ -237,10 +278,15 @@ def decode_in_place(
     v_cache: torch.Tensor,
     group: AttentionGroup,
     scale: float,
+    window: int | None = None,
+    softcap: float | None = None,
 ) -> torch.Tensor:
-    """A decode group's attention [S, H_q, D], keys and values read in place (Loom's kernel)."""
+    """A decode group's attention [S, H_q, D], keys and values read in place (Loom's kernel):
+    each sequence's last `window` keys where given (0: all), scores soft-capped by `softcap`
+    where given (0: none)."""
     num_seqs = group.seq_lens.shape[0]
+    tables = group.block_index.view(num_seqs, -1)
     out: torch.Tensor = torch.ops.loom.paged_decode_attention(
-        query, k_cache, v_cache, group.block_index.view(num_seqs, -1), group.seq_lens, scale
+        query, k_cache, v_cache, tables, group.seq_lens, scale, window or 0, softcap or 0.0
     )
     return out

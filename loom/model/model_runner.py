@@ -21,9 +21,9 @@ from loom.core.request import PromptScoring
 from loom.core.request_output import Logprobs
 from loom.core.step import ModelRunnerOutput, ScheduledSequence, SchedulerOutput
 from loom.model.attention import AttentionMetadata, build_attention_metadata
+from loom.model.decoder import DecoderModel
 from loom.model.device import DTYPES, available_memory
 from loom.model.kv_cache import KVCache
-from loom.model.llama import LlamaModel
 from loom.model.loader import LoadedModel
 from loom.model.sampler import Masks, Sampler, token_logprobs
 
@@ -37,7 +37,7 @@ class ModelRunner:
         self.device, self.dtype = loaded.device, loaded.dtype  # the model's (the pool's may differ)
         self.block_size = cache.block_size
         kv_dtype = loaded.dtype if cache.kv_cache_dtype == "auto" else DTYPES[cache.kv_cache_dtype]
-        self.model = LlamaModel(
+        self.model = DecoderModel(
             loaded.model,
             quantization=loaded.quantization,
             tokenizer=loaded.tokenizer,
@@ -61,6 +61,12 @@ class ModelRunner:
     @property
     def max_model_len(self) -> int:
         return self.model.max_model_len
+
+    @property
+    def kv_window(self) -> int | None:
+        """Where every layer slides its window: the widest (the KV blocks wholly before it may
+        be freed as a sequence grows); else None."""
+        return self.model.family.kv_window
 
     @torch.inference_mode()
     def execute_model(
@@ -133,6 +139,7 @@ class ModelRunner:
             num_queries_per_kv=self.model.num_heads // self.model.num_kv_heads,
             dtype=self.model.dtype,
             decode_in_place=self.model.decode_in_place,
+            windows=self.model.family.window_sizes,
         )
 
 

@@ -107,6 +107,10 @@ class SimRunner(ModelRunner):
     def max_model_len(self) -> int:
         return self.sim.max_len
 
+    @property
+    def kv_window(self) -> int | None:
+        return None  # every key is attended
+
     def execute_model(
         self, output: SchedulerOutput, masks: Masks | None = None
     ) -> ModelRunnerOutput:

@@ -15,7 +15,7 @@ import torch
 import torch.nn.functional as F  # noqa: N812
 
 from loom.model import kernels
-from loom.model.llama import rms_norm
+from loom.model.decoder_layer import rms_norm
 
 pytestmark = pytest.mark.skipif(
     kernels.unavailable() is not None, reason=f"Loom's CPU kernels: {kernels.unavailable()}"

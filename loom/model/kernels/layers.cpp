@@ -86,7 +86,8 @@ at::Tensor llama_layers(at::Tensor hidden, const at::Tensor& cos, const at::Tens
     const at::Tensor q =
         loom::rotary_write_kv(qkv, cos, sin, slots, k_caches[i], v_caches[i], num_heads);
     const at::Tensor attended =
-        loom::paged_decode_attention(q, k_caches[i], v_caches[i], block_tables, seq_lens, scale);
+        loom::paged_decode_attention(q, k_caches[i], v_caches[i], block_tables, seq_lens, scale,
+                                     0, 0.0);
     const at::Tensor o =
         loom::q4r8_linear(attended.view({q.size(0), -1}), w[3], w[4], n[1], bias(1));
     x = loom::add_rms_norm(hidden, o, w[5], eps);

@@ -15,7 +15,8 @@ at::Tensor q4r8_linear(const at::Tensor& x, const at::Tensor& wq, const at::Tens
 // The decode step's kernels (step.cpp).
 at::Tensor paged_decode_attention(const at::Tensor& query, const at::Tensor& k_cache,
                                   const at::Tensor& v_cache, const at::Tensor& block_tables,
-                                  const at::Tensor& seq_lens, double scale);
+                                  const at::Tensor& seq_lens, double scale, int64_t window,
+                                  double softcap);
 at::Tensor add_rms_norm(at::Tensor x, const c10::optional<at::Tensor>& delta,
                         const at::Tensor& weight, double eps);
 at::Tensor rotary_write_kv(const at::Tensor& qkv_in, const at::Tensor& cos_in,

@@ -49,20 +49,22 @@ inline void prefetch_block(const T* block, int64_t rows, int64_t row, int64_t di
 }
 
 // Decode attention for one sequence and one KV head, the G query heads that share it: scores,
-// softmax, the weighted sum of values. Keys and values are read in place, a block at a time
-// through the block table. V = head_dim / 8 is a template argument so that a row's accumulators
-// stay in registers; T is the pool's element type.
+// softmax, the weighted sum of values, over keys first .. len - 1 (first > 0: a sliding window;
+// the blocks before first's may have been freed, and are never read). Keys and values are read
+// in place, a block at a time through the block table. V = head_dim / 8 is a template argument
+// so that a row's accumulators stay in registers; T is the pool's element type. softcap > 0
+// turns each score s into softcap * tanh(s / softcap) (Gemma 2).
 template <typename T, int V>
-void attend(const float* q, const T* k_pool, const T* v_pool, const int64_t* table,
-            int64_t len, int64_t block_size, int64_t row, int64_t group, float scale, float* out,
-            std::vector<float>& scores) {
+void attend(const float* q, const T* k_pool, const T* v_pool, const int64_t* table, int64_t first,
+            int64_t len, int64_t block_size, int64_t row, int64_t group, float scale, float softcap,
+            float* out, std::vector<float>& scores) {
   constexpr int64_t dim = 8 * V;
-  const int64_t stride = (len + 7) / 8 * 8;
+  const int64_t stride = (len + 7) / 8 * 8, start = first / block_size * block_size;
   scores.resize(group * stride);
   for (int64_t g = 0; g < group; ++g) {
     const float* qg = q + g * dim;
     float* sg = scores.data() + g * stride;
-    for (int64_t l0 = 0; l0 < len; l0 += block_size) {
+    for (int64_t l0 = start; l0 < len; l0 += block_size) {
       const T* k = k_pool + table[l0 / block_size] * block_size * row;
       const int64_t rows = std::min(block_size, len - l0);
       if (g == 0 && l0 + block_size < len) {  // the next keys' block, this block's values
@@ -85,26 +87,32 @@ void attend(const float* q, const T* k_pool, const T* v_pool, const int64_t* tab
         sg[l0 + r] = hsum(acc) * scale;
       }
     }
-    float max = sg[0];
-    for (int64_t l = 1; l < len; ++l) max = std::max(max, sg[l]);
+    if (softcap > 0)
+      for (int64_t l = first; l < len; ++l) sg[l] = softcap * std::tanh(sg[l] / softcap);
+    float max = sg[first];
+    for (int64_t l = first + 1; l < len; ++l) max = std::max(max, sg[l]);
     __m256 total = _mm256_setzero_ps();
     const __m256 vmax = _mm256_set1_ps(max);
     const __m256 lanes = _mm256_setr_ps(0, 1, 2, 3, 4, 5, 6, 7);
-    for (int64_t l = 0; l < stride; l += 8) {
+    const __m256 lo = _mm256_set1_ps(static_cast<float>(first));
+    const __m256 hi = _mm256_set1_ps(static_cast<float>(len));
+    for (int64_t l = first / 8 * 8; l < stride; l += 8) {
       __m256 e = exp8(_mm256_sub_ps(_mm256_loadu_ps(sg + l), vmax));
-      if (l + 8 > len) {  // zero the padding past len (its scores are stale)
+      if (l < first || l + 8 > len) {  // zero the lanes before first and past len (stale)
         const __m256 index = _mm256_add_ps(_mm256_set1_ps(static_cast<float>(l)), lanes);
-        e = _mm256_and_ps(e, _mm256_cmp_ps(index, _mm256_set1_ps(static_cast<float>(len)), _CMP_LT_OQ));
+        e = _mm256_and_ps(e, _mm256_and_ps(_mm256_cmp_ps(index, lo, _CMP_GE_OQ),
+                                           _mm256_cmp_ps(index, hi, _CMP_LT_OQ)));
       }
       _mm256_storeu_ps(sg + l, e);
       total = _mm256_add_ps(total, e);
     }
     __m256 acc[V];
     for (int i = 0; i < V; ++i) acc[i] = _mm256_setzero_ps();
-    for (int64_t l0 = 0; l0 < len; l0 += block_size) {
-      const T* v = v_pool + table[l0 / block_size] * block_size * row;
+    for (int64_t l0 = start; l0 < len; l0 += block_size) {
+      const int64_t skip = std::max<int64_t>(0, first - l0);  // keys before the window
+      const T* v = v_pool + table[l0 / block_size] * block_size * row + skip * row;
       const int64_t rows = std::min(block_size, len - l0);
-      for (int64_t r = 0; r < rows; ++r, v += row) {
+      for (int64_t r = skip; r < rows; ++r, v += row) {
         const __m256 p = _mm256_set1_ps(sg[l0 + r]);
         for (int i = 0; i < V; ++i) acc[i] = _mm256_fmadd_ps(p, load8(v + 8 * i), acc[i]);
       }
@@ -126,7 +134,8 @@ inline void check_pool(const at::Tensor& k_cache, const at::Tensor& v_cache) {
 // Every sequence's attention over a pool of T (float or at::Half), out [S, H_q, D].
 template <typename T>
 void attend_all(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
-                const at::Tensor& tables, const at::Tensor& lens, double scale, at::Tensor& out) {
+                const at::Tensor& tables, const at::Tensor& lens, double scale, int64_t window,
+                double softcap, at::Tensor& out) {
   const int64_t seqs = q.size(0), heads = q.size(1), dim = q.size(2);
   const int64_t block_size = k_cache.size(1), kv_heads = k_cache.size(2);
   const int64_t group = heads / kv_heads, max_blocks = tables.size(1);
@@ -147,9 +156,10 @@ void attend_all(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor
     for (int64_t task = begin; task < end; ++task) {
       const int64_t s = task * per_task / heads, head = task * per_task % heads, len = lp[s];
       TORCH_CHECK(len >= 1 && len <= max_blocks * block_size, "sequence length out of range");
-      const int64_t first = (s * heads + head) * dim, h = head / group;
-      kernel(qp + first, kp + h * dim, vp + h * dim, tp + s * max_blocks, len, block_size, row,
-             per_task, static_cast<float>(scale), op + first, scores);
+      const int64_t at = (s * heads + head) * dim, h = head / group;
+      const int64_t first = window > 0 ? std::max<int64_t>(0, len - window) : 0;
+      kernel(qp + at, kp + h * dim, vp + h * dim, tp + s * max_blocks, first, len, block_size, row,
+             per_task, static_cast<float>(scale), static_cast<float>(softcap), op + at, scores);
     }
   });
 }
@@ -159,11 +169,14 @@ void attend_all(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor
 // Decode attention read in place from the paged pool: query [S, H_q, D] (one token per
 // sequence), k/v cache [blocks, block_size, H_kv, D], block_tables [S, B] (int64), seq_lens [S]:
 // sequence s attends its first seq_lens[s] keys, key l at row l % block_size of block
-// block_tables[s][l / block_size]. D is 16, 32, 64 or 128.
+// block_tables[s][l / block_size]; window > 0: only its last `window` keys (transformers'
+// sliding window); softcap > 0: scores soft-capped. D is 16, 32, 64 or 128.
 at::Tensor paged_decode_attention(const at::Tensor& query, const at::Tensor& k_cache,
                                   const at::Tensor& v_cache, const at::Tensor& block_tables,
-                                  const at::Tensor& seq_lens, double scale) {
+                                  const at::Tensor& seq_lens, double scale, int64_t window,
+                                  double softcap) {
   TORCH_CHECK(query.scalar_type() == at::kFloat, "paged_decode_attention takes float32 queries");
+  TORCH_CHECK(window >= 0 && softcap >= 0, "window and softcap must not be negative");
   check_pool(k_cache, v_cache);
   const at::Tensor q = query.contiguous();
   const at::Tensor tables = block_tables.to(at::kLong).contiguous();
@@ -181,9 +194,9 @@ at::Tensor paged_decode_attention(const at::Tensor& query, const at::Tensor& k_c
               "head_dim must be 16, 32, 64 or 128, not ", dim);
   at::Tensor out = at::empty_like(q);
   if (k_cache.scalar_type() == at::kHalf)
-    attend_all<at::Half>(q, k_cache, v_cache, tables, lens, scale, out);
+    attend_all<at::Half>(q, k_cache, v_cache, tables, lens, scale, window, softcap, out);
   else
-    attend_all<float>(q, k_cache, v_cache, tables, lens, scale, out);
+    attend_all<float>(q, k_cache, v_cache, tables, lens, scale, window, softcap, out);
   return out;
 }
 
@@ -331,7 +344,8 @@ at::Tensor silu_mul(const at::Tensor& gate_up_in) {
 
 TORCH_LIBRARY_FRAGMENT(loom, m) {
   m.def("paged_decode_attention(Tensor query, Tensor k_cache, Tensor v_cache, Tensor block_tables, "
-        "Tensor seq_lens, float scale) -> Tensor", &loom::paged_decode_attention);
+        "Tensor seq_lens, float scale, int window=0, float softcap=0) -> Tensor",
+        &loom::paged_decode_attention);
   m.def("silu_mul(Tensor gate_up) -> Tensor", &loom::silu_mul);
   m.def("add_rms_norm(Tensor(a!) x, Tensor? delta, Tensor weight, float eps) -> Tensor", &loom::add_rms_norm);
   m.def("rotary_write_kv(Tensor qkv, Tensor cos, Tensor sin, Tensor slots, Tensor(a!) k_cache, "
