@@ -27,6 +27,7 @@ from loom.bench import step as bench_step
 from loom.chaos import command as chaos_command
 from loom.engine.config import EngineConfig
 from loom.engine.engine import Engine
+from loom.model.family import UnsupportedModelError
 from loom.model.loader import ModelConfig
 from loom.model.sim import SimRunner, is_sim, load_sim
 from loom.server import health_probe
@@ -132,8 +133,22 @@ def serve(args: argparse.Namespace) -> int:
         for handler in logging.getLogger().handlers:
             handler.setFormatter(JsonFormatter())
     server = Supervisor(engine, config)
-    trio.run(server.run)
+    try:
+        trio.run(server.run)
+    except BaseExceptionGroup as group:  # the model refused as it loads: named, no traceback
+        if (refused := model_refusal(group)) is None:
+            raise
+        raise refused from None
     return server.exit_code
+
+
+def model_refusal(group: BaseExceptionGroup[BaseException]) -> UnsupportedModelError | None:
+    """The UnsupportedModelError a group holds, where it holds nothing else."""
+    match, rest = group.split(UnsupportedModelError)
+    leaf: BaseException | None = match
+    while isinstance(leaf, BaseExceptionGroup):
+        leaf = leaf.exceptions[0]
+    return leaf if rest is None and isinstance(leaf, UnsupportedModelError) else None
 
 
 def main(argv: Sequence[str] | None = None) -> None:

@@ -27,6 +27,7 @@ from loom.engine.metrics import EngineMetrics
 from loom.engine.request_stream import RequestStream
 from loom.engine.stats import EngineStats, ModelInfo
 from loom.model.device import release_freed_memory
+from loom.model.family import UnsupportedModelError
 from loom.model.loader import LoadedModel
 from loom.model.model_runner import ModelRunner
 
@@ -84,6 +85,9 @@ class Engine:
                 core.admission.close()
             task_status.started()
             await core.run()
+        except UnsupportedModelError as exc:  # refused at start: the CLI names it, one line
+            reason = f"the model is not supported: {exc}"
+            raise
         except Exception as exc:
             log.exception("the engine crashed")
             # Clients get the kind of fault only: its message may hold another client's data.

@@ -65,11 +65,6 @@ class DecoderModel:
         self.scale = family.scale
         self.vocab_size: int = config.vocab_size
         self.max_model_len = family.max_model_len
-        if quantization == "int8" and family.model_type not in SMOOTHED:
-            raise UnsupportedModelError(
-                f"quantization int8 is not supported for {family.model_type} (its smoothing "
-                f"knows {', '.join(SMOOTHED)}); try q4"
-            )
         self.rotary = hf_model.model.rotary_emb
         weights: dict[str, torch.Tensor] = dict(hf_model.state_dict())
         embed = weights["model.embed_tokens.weight"]
@@ -85,14 +80,7 @@ class DecoderModel:
         self.fused &= config.intermediate_size % 8 == 0
         self.fused_rotary = self.fused and family.rotary_dim == family.head_dim
         if quantization == "int8":
-            ids = calibration_ids(tokenizer, self.vocab_size, self.max_model_len)
-            weights = smooth(
-                weights,
-                input_ranges(hf_model, ids),
-                num_layers=config.num_hidden_layers,
-                num_heads=self.num_heads,
-                num_kv_heads=self.num_kv_heads,
-            )
+            weights = self.smoothed(weights, hf_model, tokenizer)
         linear = functools.partial(layer_linear, quantization)
         head = weights.get("lm_head.weight", embed)
         self.lm_head = linear("lm_head", head)
@@ -100,6 +88,24 @@ class DecoderModel:
         self.layers = [load_layer(weights, i, family, linear) for i in range(family.num_layers)]
         one_call = self.fused and family.is_plain
         self.decode_weights = decode_weights(self.layers) if one_call else None  # q4: one call
+
+    def smoothed(
+        self, weights: dict[str, torch.Tensor], hf_model: Any, tokenizer: Any
+    ) -> dict[str, torch.Tensor]:
+        """int8's weights: activation outliers folded into the norms before them."""
+        if self.family.model_type not in SMOOTHED:
+            raise UnsupportedModelError(
+                f"quantization int8 is not supported for {self.family.model_type} (its "
+                f"smoothing knows {', '.join(SMOOTHED)}); try q4"
+            )
+        ids = calibration_ids(tokenizer, self.vocab_size, self.max_model_len)
+        return smooth(
+            weights,
+            input_ranges(hf_model, ids),
+            num_layers=self.family.num_layers,
+            num_heads=self.num_heads,
+            num_kv_heads=self.num_kv_heads,
+        )
 
     def kv_cache_shape(self, block_size: int) -> KVCacheShape:
         return KVCacheShape(

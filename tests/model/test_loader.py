@@ -2,6 +2,10 @@
 
 from __future__ import annotations
 
+import json
+import shutil
+import subprocess
+import sys
 from pathlib import Path
 from typing import Any
 
@@ -103,3 +107,32 @@ def test_loader_tokenizer_has_a_chat_template(smollm2: object) -> None:
     )
     assert "Hi" in text
     assert text.rstrip().endswith("assistant")
+
+
+@pytest.mark.parametrize(
+    ("change", "message"),
+    [
+        (
+            {"rope_parameters": {"rope_type": "linear", "factor": 2.0, "mrope_section": [2, 2]}},
+            "rope_parameters.mrope_section is not supported for rope_type 'linear'",
+        ),
+        (
+            {"model_type": "gpt2", "architectures": ["GPT2LMHeadModel"]},
+            "model_type 'gpt2' is not supported (supported: llama, mistral, qwen2",
+        ),
+    ],
+)
+def test_serve_refuses_a_model_it_does_not_implement_by_name(
+    tiny_folder: Path, tmp_path: Path, change: dict[str, Any], message: str
+) -> None:
+    """`loom serve` on a folder whose config names what Loom does not run: exit 1 with the
+    field in one line, no traceback, never serving."""
+    folder = tmp_path / "refused"
+    shutil.copytree(tiny_folder, folder)
+    config = json.loads((folder / "config.json").read_text())
+    (folder / "config.json").write_text(json.dumps({**config, **change}))
+    command = [sys.executable, "-m", "loom", "serve", "--model", str(folder), "--port", "0"]
+    result = subprocess.run(command, capture_output=True, text=True, timeout=120)
+    assert result.returncode == 1
+    assert f"loom: {message}" in result.stderr
+    assert "Traceback" not in result.stderr
