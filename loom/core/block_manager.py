@@ -17,6 +17,20 @@ that no request holds any more is not free but evictable: it keeps its content u
 is needed. Allocation takes blocks that hold nothing first, then evicts cached ones, least
 recently released first; a block some request holds is never evicted. `num_free_blocks` counts
 both kinds: what allocation can hand out.
+
+Sliding windows (`sliding_window`, where every layer of the model slides one): a query at
+position p reads only keys p - window + 1 .. p, so once a request has computed n tokens no later
+query reads a key before n - window + 1. `slide` releases the blocks wholly before that key and
+puts the null block in their place: the table keeps its positions (token i still lives in
+`block_table[i // block_size]`), and a request holds about window / block_size + 1 blocks
+however long it grows. Worked example, block_size 4, window 6, 13 tokens computed: the next
+query (position 13) reads keys 8..13; blocks 0 and 1 (tokens 0..7) are released:
+
+    table [7, 2, 9, 4]  ->  [0, 0, 9, 4]
+
+A released block is released as on `free`: a cached one stays cached (evictable) and may serve
+another request's prefix hit whole, while it lasts; a hit never takes a null entry (only cached
+blocks are offered, each holding its tokens' K/V).
 """
 
 from __future__ import annotations
@@ -41,6 +55,7 @@ class BlockManager:
     num_blocks: int = attrs.field(validator=attrs.validators.ge(2))
     block_size: int = attrs.field(validator=attrs.validators.ge(1))
     enable_caching: bool = True
+    sliding_window: int | None = None  # every layer reads only this many latest keys
     _empty: deque[int] = attrs.field(init=False)  # free, holding nothing reusable
     _evictable: dict[int, None] = attrs.field(init=False, factory=dict)  # free, cached: LRU first
     _ref_counts: list[int] = attrs.field(init=False)
@@ -76,6 +91,10 @@ class BlockManager:
     def num_slots(self, request_id: str) -> int:
         """Token slots the request's blocks hold."""
         return len(self._tables.get(request_id, ())) * self.block_size
+
+    def num_held_blocks(self, request_id: str) -> int:
+        """Blocks the request holds (its table's null entries, slid out, are not held)."""
+        return sum(b != NULL_BLOCK for b in self._tables.get(request_id, ()))
 
     def ref_count(self, block_id: int) -> int:
         return self._ref_counts[block_id]
@@ -147,9 +166,25 @@ class BlockManager:
             return
         table = self._tables[request_id]
         for block_id, block_hash in zip(table[first:], block_hashes, strict=False):
+            if block_id == NULL_BLOCK:
+                continue
             if block_hash not in self._block_of and block_id not in self._hash_of:
                 self._block_of[block_hash] = block_id
                 self._hash_of[block_id] = block_hash
+
+    def slide(self, request_id: str, num_computed_tokens: int) -> None:
+        """With a sliding window: release the request's blocks that hold only keys before any
+        later query's window (module docstring). Each block is released once: the slid-out
+        entries are null, and the walk stops at the first."""
+        table = self._tables.get(request_id)
+        if self.sliding_window is None or table is None:
+            return
+        first_read = num_computed_tokens - self.sliding_window + 1  # the next query's first key
+        i = min(max(first_read, 0) // self.block_size, len(table)) - 1
+        while i >= 0 and table[i] != NULL_BLOCK:
+            self.release(table[i])
+            table[i] = NULL_BLOCK
+            i -= 1
 
     def free(self, request_id: str) -> None:
         """Release the request's blocks. Idempotent; unknown ids are ignored.
@@ -160,9 +195,13 @@ class BlockManager:
         if table is None:
             return
         for block_id in reversed(table):
-            self._ref_counts[block_id] -= 1
-            if self._ref_counts[block_id] == 0:
-                if block_id in self._hash_of:
-                    self._evictable[block_id] = None
-                else:
-                    self._empty.append(block_id)
+            if block_id != NULL_BLOCK:  # slid out: released already
+                self.release(block_id)
+
+    def release(self, block_id: int) -> None:
+        self._ref_counts[block_id] -= 1
+        if self._ref_counts[block_id] == 0:
+            if block_id in self._hash_of:
+                self._evictable[block_id] = None
+            else:
+                self._empty.append(block_id)

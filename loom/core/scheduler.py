@@ -21,7 +21,7 @@ With prefix caching, a waiting request first takes the cached blocks that hold t
 of its full blocks (whole blocks only, never its last token: a step must compute at least one
 token to sample from), counts them as computed and prefills only the rest; budgets and block
 checks count only what it lacks. After each step, the blocks a step filled are cached under
-their content hashes (loom/core/prefix_cache.py).
+their content hashes (loom/core/prefix_cache.py); those no later query reads are released.
 
 A client that stops reading holds nothing others need: a paused request counts against neither
 `max_num_seqs` nor the queue limits, and paused requests are preempted to make room for a
@@ -69,8 +69,7 @@ class Scheduler:
     num_generated_tokens: int = 0  # sampled and kept, all time
     prefix_cache_queries: int = 0  # tokens of the requests admitted (again after a preemption)
     prefix_cache_hits: int = 0  # of those, found in the prefix cache
-    # Ended requests by finish reason, all time: counted in `finish`, and requests aborted
-    # before they were added, counted by the engine as it drops them.
+    # Ended requests by finish reason, all time: in `finish`; by the engine, aborts before adding
     finished: Counter[FinishReason] = attrs.field(factory=Counter)
 
     def add_request(self, request: Request) -> None:
@@ -248,6 +247,7 @@ class Scheduler:
                 request.num_computed_tokens += len(seq.token_ids)
                 request.prompt_logprobs += result.prompt_logprobs.get(seq.request_id, ())
                 cache_full_blocks(self.block_manager, request, seq.num_computed_tokens)
+                self.block_manager.slide(request.request_id, request.num_computed_tokens)
         advanced = []
         sampled = zip(result.request_ids, result.token_ids, result.logprobs, strict=True)
         for request_id, token_id, logprobs in sampled:

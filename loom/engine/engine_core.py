@@ -66,6 +66,7 @@ class EngineCore:
             runner.num_blocks,
             runner.block_size,
             enable_caching=config.cache.enable_prefix_caching,
+            sliding_window=runner.kv_window,
         )
         self.scheduler = Scheduler(config.scheduler, blocks, OutputProcessor(loaded.tokenizer))
         self.admission = Admission.for_model(config, loaded, runner, self.scheduler)

@@ -263,7 +263,7 @@ class BlockManagerMachine(RuleBasedStateMachine):
 
     @invariant()
     def free_plus_used_is_total(self) -> None:
-        held = {b for r in self.num_tokens for b in self.manager.block_table(r)}
+        held = {b for r in self.num_tokens for b in self.manager.block_table(r)} - {NULL_BLOCK}
         assert self.manager.num_free_blocks + len(held) == self.manager.num_total_blocks
 
     @invariant()
@@ -301,3 +301,52 @@ class BlockManagerMachine(RuleBasedStateMachine):
 
 BlockManagerMachine.TestCase.settings = settings(max_examples=200, stateful_step_count=40)
 test_block_manager_stateful = BlockManagerMachine.TestCase
+
+
+class SlidingBlockManagerMachine(BlockManagerMachine):
+    """The same rules and books with a sliding window of 6, and `slide` among the rules: it
+    nulls exactly the leading blocks no later query reads, releasing each once."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.manager = BlockManager(num_blocks=17, block_size=4, sliding_window=6)
+
+    @precondition(lambda self: self.num_tokens)
+    @rule(data=st.data())
+    def slide(self, data: st.DataObject) -> None:
+        request_id = data.draw(st.sampled_from(sorted(self.num_tokens)))
+        before = self.manager.block_table(request_id)
+        self.manager.slide(request_id, self.num_tokens[request_id])
+        after = self.manager.block_table(request_id)
+        unread = max(0, self.num_tokens[request_id] - 6 + 1) // 4  # blocks wholly before the window
+        assert after == (NULL_BLOCK,) * unread + before[unread:]
+        assert self.manager.num_held_blocks(request_id) == len(before) - unread
+
+    @invariant()
+    def tables_cover_tokens_and_skip_the_null_block(self) -> None:
+        for request_id, num_tokens in self.num_tokens.items():
+            table = self.manager.block_table(request_id)
+            held = [b for b in table if b != NULL_BLOCK]
+            assert table == (NULL_BLOCK,) * (len(table) - len(held)) + tuple(held)  # nulls lead
+            assert len(table) * 4 >= num_tokens
+
+
+SlidingBlockManagerMachine.TestCase.settings = settings(max_examples=200, stateful_step_count=40)
+test_block_manager_sliding_stateful = SlidingBlockManagerMachine.TestCase
+
+
+def test_block_manager_slides_out_the_blocks_no_later_query_reads() -> None:
+    """The module docstring's example: window 6, 13 tokens computed, the next query reads keys
+    8..13; blocks 0 and 1 go, once, and a slid cached block stays cached for a later hit."""
+    manager = BlockManager(num_blocks=8, block_size=4, sliding_window=6)
+    assert manager.allocate("a", 14)
+    table = manager.block_table("a")
+    manager.cache("a", 0, [b"h0", b"h1", b"h2"])
+    manager.slide("a", 13)
+    assert manager.block_table("a") == (NULL_BLOCK, NULL_BLOCK, *table[2:])
+    assert manager.num_free_blocks == 3 + 2
+    manager.slide("a", 13)  # again: nothing more
+    assert manager.num_free_blocks == 5
+    assert manager.cached_prefix([b"h0", b"h1", b"h2"]) == list(table[:3])
+    manager.free("a")
+    assert manager.num_free_blocks == manager.num_total_blocks
