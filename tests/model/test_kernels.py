@@ -69,6 +69,65 @@ def test_kernels_decode_attention_reads_the_pool_as_sdpa_does(
     assert torch.allclose(out, expected, atol=1e-5)
 
 
+def windowed_decode(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    tables: torch.Tensor,
+    lens: torch.Tensor,
+    window: int,
+    softcap: float,
+) -> torch.Tensor:
+    """The reference: each sequence's last `window` keys, scores soft-capped, as transformers'
+    eager attention computes them."""
+    num_kv_heads, dim = k_cache.shape[2], k_cache.shape[3]
+    out = []
+    for s in range(q.shape[0]):
+        first, end = max(0, int(lens[s]) - window), int(lens[s])
+        keys = k_cache[tables[s]].reshape(-1, num_kv_heads, dim)[first:end].transpose(0, 1)
+        values = v_cache[tables[s]].reshape(-1, num_kv_heads, dim)[first:end].transpose(0, 1)
+        scores = q[s].view(num_kv_heads, -1, dim) @ keys.transpose(1, 2) * dim**-0.5
+        scores = torch.tanh(scores / softcap) * softcap if softcap else scores
+        out.append((torch.softmax(scores, dim=-1) @ values).reshape(-1, dim))
+    return torch.stack(out)
+
+
+@pytest.mark.parametrize("head_dim", [16, 64])
+@pytest.mark.parametrize(("window", "softcap"), [(7, 0.0), (20, 0.0), (16, 0.5), (0, 0.5)])
+def test_kernels_decode_attention_reads_only_the_window_and_soft_caps(
+    head_dim: int, window: int, softcap: float
+) -> None:
+    """Keys before the window are never read: their blocks are the null block, filled with NaN
+    (a slid-out block's entry), and the output stays finite and equal to the reference."""
+    torch.manual_seed(head_dim + window)
+    num_blocks, block_size, num_kv_heads, num_seqs = 40, 16, 2, 5
+    k_cache = torch.randn(num_blocks, block_size, num_kv_heads, head_dim)
+    v_cache = torch.randn_like(k_cache)
+    lens = torch.tensor([1, 7, 17, 40, 63])
+    tables = torch.zeros(num_seqs, 4, dtype=torch.long)
+    for s in range(num_seqs):
+        used = -(-int(lens[s]) // block_size)
+        tables[s, :used] = torch.randperm(num_blocks - 1)[:used] + 1
+    q = torch.randn(num_seqs, num_kv_heads * 3, head_dim)
+    expected = windowed_decode(q, k_cache, v_cache, tables, lens, window or 1 << 20, softcap)
+    if window:  # slide out: the blocks wholly before each window become the null block
+        for s in range(num_seqs):
+            tables[s, : max(0, int(lens[s]) - window) // block_size] = 0
+    k_cache[0], v_cache[0] = float("nan"), float("nan")
+    out = torch.ops.loom.paged_decode_attention(
+        q, k_cache, v_cache, tables, lens, head_dim**-0.5, window, softcap
+    )
+    torch.testing.assert_close(out, expected, rtol=1e-5, atol=1e-5)
+
+
+def test_kernels_decode_attention_refuses_a_negative_window_or_cap() -> None:
+    k_cache = torch.randn(4, 16, 1, 16)
+    args = (torch.randn(1, 1, 16), k_cache, k_cache, torch.tensor([[1]]), torch.tensor([3]), 0.25)
+    for window, softcap in ((-1, 0.0), (0, -1.0)):
+        with pytest.raises(RuntimeError, match="window and softcap must not be negative"):
+            torch.ops.loom.paged_decode_attention(*args, window, softcap)
+
+
 def test_kernels_decode_attention_refuses_a_table_entry_out_of_range() -> None:
     k_cache = torch.randn(4, 16, 1, 16)
     tables = torch.tensor([[5]])
