@@ -27,6 +27,8 @@ from transformers import (
     Phi3ForCausalLM,
     Qwen2Config,
     Qwen2ForCausalLM,
+    Qwen2MoeConfig,
+    Qwen2MoeForCausalLM,
     Qwen3Config,
     Qwen3ForCausalLM,
 )
@@ -62,6 +64,7 @@ FAMILIES: dict[str, tuple[type, type]] = {
     "phi3": (Phi3Config, Phi3ForCausalLM),
     "gemma2": (Gemma2Config, Gemma2ForCausalLM),
     "gemma3_text": (Gemma3TextConfig, Gemma3ForCausalLM),
+    "qwen2_moe": (Qwen2MoeConfig, Qwen2MoeForCausalLM),
 }
 LLAMA_SHAPED = ("llama", "mistral", "qwen2")  # the `tiny` fixture's (the others: test_families)
 

@@ -78,6 +78,7 @@ class DecoderModel:
         # Norms, rotary and the K/V write, SiLU and its product fused, where the CPU kernels run.
         self.fused = self.decode_in_place and self.hidden_size % 8 == 0
         self.fused &= config.intermediate_size % 8 == 0
+        self.fused &= getattr(config, "shared_expert_intermediate_size", 0) % 8 == 0
         self.fused_rotary = self.fused and family.rotary_dim == family.head_dim
         if quantization == "int8":
             weights = self.smoothed(weights, hf_model, tokenizer)
@@ -247,10 +248,13 @@ class DecoderModel:
         return q
 
     def mlp(self, layer: DecoderLayer, x: torch.Tensor) -> torch.Tensor:
+        """The gated MLP (a mixture of experts: the shared expert, with the routed ones)."""
         gate_up = layer.gate_up(x)
         silu = self.family.activation == "silu"
         if self.fused and silu:
-            return layer.down(torch.ops.loom.silu_mul(gate_up))
-        gate, up = gate_up.chunk(2, dim=-1)
-        act = F.silu(gate) if silu else F.gelu(gate, approximate="tanh")
-        return layer.down(act * up)
+            out = layer.down(torch.ops.loom.silu_mul(gate_up))
+        else:
+            gate, up = gate_up.chunk(2, dim=-1)
+            act = F.silu(gate) if silu else F.gelu(gate, approximate="tanh")
+            out = layer.down(act * up)
+        return out if layer.experts is None else layer.experts(x, out)

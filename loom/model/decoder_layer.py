@@ -15,6 +15,7 @@ import torch.nn.functional as F  # noqa: N812
 from loom.model.blocks import BlockLinear
 from loom.model.family import Family
 from loom.model.linear import LinearLayer, make_linear, method_for
+from loom.model.moe import Experts, load_experts
 
 
 @attrs.frozen(kw_only=True)
@@ -23,8 +24,9 @@ class DecoderLayer:
     qkv: LinearLayer  # [(H_q + 2 H_kv) D, hidden], with Qwen2's bias
     o: LinearLayer  # with Llama's attention_bias
     mlp_norm: torch.Tensor  # before the MLP (post_attention_layernorm; Gemma: pre_feedforward)
-    gate_up: LinearLayer  # [2 intermediate, hidden]
+    gate_up: LinearLayer  # [2 intermediate, hidden] (a mixture of experts: the shared expert's)
     down: LinearLayer
+    experts: Experts | None = None  # a mixture of experts in place of the MLP (Qwen2-MoE)
     attn_out_norm: torch.Tensor | None = None  # Gemma's sandwich: on attention's output
     mlp_out_norm: torch.Tensor | None = None  # and on the MLP's
     q_norm: torch.Tensor | None = None  # per head (Qwen3, Gemma 3)
@@ -76,6 +78,9 @@ def load_layer(
 ) -> DecoderLayer:
     prefix = f"model.layers.{i}."
     attn, mlp = prefix + "self_attn.", prefix + "mlp."
+    experts = load_experts(weights, mlp, family.top_k, family.normalize_top_k)
+    if experts is not None:
+        mlp += "shared_expert."
     biases = [weights[f"{attn}{p}_proj.bias"] for p in "qkv" if f"{attn}{p}_proj.bias" in weights]
     gemma = family.sandwich_norms
 
@@ -96,6 +101,7 @@ def load_layer(
         mlp_norm=norm("pre_feedforward_layernorm" if gemma else "post_attention_layernorm"),
         gate_up=linear("gate_up", fused(weights, mlp, "gate_proj up_proj", "gate_up_proj")),
         down=linear("down", weights[mlp + "down_proj.weight"]),
+        experts=experts,
         attn_out_norm=norm("post_attention_layernorm") if gemma else None,
         mlp_out_norm=optional("post_feedforward_layernorm"),
         q_norm=optional("self_attn.q_norm"),

@@ -16,7 +16,9 @@ from typing import Any
 
 import attrs
 
-MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3", "phi3", "gemma2", "gemma3_text")
+MODEL_TYPES = (
+    "llama", "mistral", "qwen2", "qwen3", "phi3", "gemma2", "gemma3_text", "qwen2_moe",
+)  # fmt: skip
 GEMMA = ("gemma2", "gemma3_text")
 ALL_SLIDE = ("mistral", "phi3")  # `sliding_window` applies to every layer (transformers ignores
 # their `layer_types`); Qwen and Gemma name each layer's kind in `layer_types`
@@ -66,6 +68,8 @@ class Family:
     embed_scale: float | None = None  # embeddings times this (Gemma: sqrt(hidden))
     attn_softcap: float | None = None  # scores -> cap * tanh(scores / cap) (Gemma 2)
     final_softcap: float | None = None  # the same on the logits
+    top_k: int = 0  # a mixture of experts: each token's experts (loom/model/moe.py)
+    normalize_top_k: bool = False  # their router weights renormalised to sum to 1
 
     @property
     def is_plain(self) -> bool:
@@ -74,7 +78,7 @@ class Family:
         return not (
             self.qk_norm or self.sandwich_norms or self.norm_offset or self.embed_scale
             or self.attn_softcap or self.activation != "silu" or any(self.windows)
-            or self.rotary_dim != self.head_dim or any(self.rope_keys)
+            or self.rotary_dim != self.head_dim or any(self.rope_keys) or self.top_k
         )  # fmt: skip
 
     @property
@@ -136,6 +140,8 @@ def family_of(config: Any) -> Family:
         embed_scale=math.sqrt(config.hidden_size) if gemma else None,
         attn_softcap=getattr(config, "attn_logit_softcapping", None) if gemma else None,
         final_softcap=getattr(config, "final_logit_softcapping", None) if gemma else None,
+        top_k=int(getattr(config, "num_experts_per_tok", 0) or 0),
+        normalize_top_k=bool(getattr(config, "norm_topk_prob", False)),
     )
 
 

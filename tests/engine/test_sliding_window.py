@@ -19,7 +19,7 @@ from tests.engine.test_prefix_caching import run_shared_prefixes
 from tests.greedy import reference_tokens
 from tests.model.test_families import WINDOW, case_model
 
-SLIDING = ("mistral-window", "phi3-partial-window", "qwen3-window-bias")
+SLIDING = ("mistral-window", "phi3-partial-window", "qwen3-window-bias", "qwen2-moe-norm-window")
 BLOCK = 4
 
 

@@ -14,15 +14,18 @@ from typing import Any
 import pytest
 import torch
 
+from loom.bench.quality import logits, runner_for
 from loom.core.block_manager import BlockManager
 from loom.core.config import CacheConfig
 from loom.core.step import ScheduledSequence
+from loom.model.blocks import BlockLinear
 from loom.model.decoder import DecoderModel
 from loom.model.family import UnsupportedModelError, family_of
 from loom.model.loader import LoadedModel
 from loom.model.model_runner import ModelRunner
 from tests.conftest import FAMILIES, tiny_model
 from tests.greedy import GreedyRequest, reference_tokens, run_greedy
+from tests.model.test_blocks import as_if_from_a_gguf
 
 WINDOW = 12
 HEAD = {"head_dim": 16}
@@ -57,6 +60,12 @@ CASES: dict[str, tuple[str, dict[str, Any]]] = {
         "rope_parameters": {
             "sliding_attention": {"rope_type": "default", "rope_theta": 10000.0},
             "full_attention": {"rope_type": "linear", "factor": 4.0, "rope_theta": 1e6}}}),
+    "qwen2-moe": ("qwen2_moe", {"num_experts": 4, "num_experts_per_tok": 2,
+        "moe_intermediate_size": 32, "shared_expert_intermediate_size": 64,
+        "mlp_only_layers": [0]}),  # layer 0 dense
+    "qwen2-moe-norm-window": ("qwen2_moe", {"num_experts": 6, "num_experts_per_tok": 3,
+        "norm_topk_prob": True, "moe_intermediate_size": 32, "shared_expert_intermediate_size": 96,
+        "use_sliding_window": True, "sliding_window": WINDOW, "max_window_layers": 0}),
 }  # fmt: skip
 
 
@@ -115,6 +124,30 @@ def test_family_logits_match_transformers(name: str) -> None:
     with torch.inference_mode():
         expected = loaded.model(torch.tensor([prompt])).logits[0]
     torch.testing.assert_close(runner.logits(seq), expected, rtol=1e-4, atol=1e-4)
+
+
+@pytest.mark.parametrize("name", sorted(CASES))
+def test_family_q4_stays_within_its_bound(name: str) -> None:
+    """q4 over weights already in Q4_1 (the layers) and Q8_0 (embedding, head), as a GGUF file
+    holds them, against the exact path over the same weights: each position's logits within
+    6% (relative L2 norm; measured 1.7 to 5.2%, Llama's 2.4%: test_blocks holds it to 5%), the
+    same top token at 85% of positions or more (measured 95 to 100%), prefilled and then
+    decoded a token a forward. A mixture's experts stay float (loom/model/moe.py), and where
+    q4's rounding flips a token's choice between near-tied experts its logits move further
+    (measured up to 20%): for a mixture, 90% of positions are held to the bound."""
+    loaded = as_if_from_a_gguf(case_model(name))
+    prompt = requests_for((40,), 1)[0].prompt
+    exact = logits(runner_for(loaded, "none", 64), prompt)
+    runner = runner_for(loaded, "q4", 64)
+    assert all(isinstance(layer.qkv, BlockLinear) for layer in runner.model.layers)
+    decoded = torch.cat([logits(runner, prompt[: start + 1], start) for start in range(40)])
+    for q4 in (logits(runner, prompt), decoded):
+        error = (q4 - exact).norm(dim=-1) / exact.norm(dim=-1)
+        agree = (q4.argmax(dim=-1) == exact.argmax(dim=-1)).float().mean()
+        print(f"{name}: q4 logits within {float(error.max()):.2%} (90% of positions within "
+              f"{float(error.quantile(0.9)):.2%}), top token {float(agree):.1%}")  # fmt: skip
+        assert float(error.quantile(0.9) if "moe" in name else error.max()) < 0.06, error
+        assert float(agree) >= 0.85, agree
 
 
 def test_families_read_their_windows_and_rope_tables_per_layer() -> None:
