@@ -1,7 +1,8 @@
 """Sliding windows in the paged KV cache, through the engine (loom/core/block_manager.py,
 `slide`): a windowed model's blocks held stay bounded by its window however long it generates,
 and its tokens stay transformers' `generate` tokens under chunked prefill, preemption and
-prefix-cache hits (a hit never relies on a block that was released).
+prefix-cache hits (a hit never relies on a block that was released); and a generation config's
+several EOS ids each stop a request.
 
 The models: test_families' cases whose every layer slides a window of 12 (a model with a global
 layer, Gemma's or Qwen2's with `max_window_layers`, keeps every block).
@@ -13,8 +14,9 @@ import pytest
 import trio
 
 from loom.core.config import CacheConfig, SchedulerConfig
+from loom.core.request_output import FinishReason
 from loom.core.sampling_params import SamplingParams
-from tests.engine.test_engine import run_against_reference, serving
+from tests.engine.test_engine import collect, run_against_reference, serving, tokens_of
 from tests.engine.test_prefix_caching import run_shared_prefixes
 from tests.greedy import reference_tokens
 from tests.model.test_families import WINDOW, case_model
@@ -73,3 +75,20 @@ async def test_sliding_window_prefix_cache_hits_keep_generate_tokens(name: str) 
     )
     assert max(cached) > WINDOW  # the first pass, one request at a time: deterministic
     assert stats.prefix_cache_hits >= sum(cached)  # a preempted request may hit again
+
+
+async def test_generation_stops_on_every_eos_id_the_config_lists() -> None:
+    """Gemma 3 and Llama 3 list several EOS ids in their generation config: a request stops on
+    whichever comes first, as `generate` with the same config does."""
+    loaded = case_model("gemma3")
+    prompt = list(range(3, 23))
+    free_run = reference_tokens(loaded.model, prompt, 12)
+    later, first = free_run[8], free_run[4]  # two ids `generate` would give, the later one first
+    loaded.model.generation_config.eos_token_id = [later, first]
+    expected = reference_tokens(loaded.model, prompt, 12)
+    assert len(expected) == free_run.index(first) + 1  # generate stops at the first of them
+    async with serving(loaded) as engine:
+        with trio.fail_after(60):
+            outputs = await collect(engine, prompt, SamplingParams(temperature=0, max_tokens=12))
+    assert tokens_of(outputs) == expected
+    assert outputs[-1].finish_reason is FinishReason.STOP
