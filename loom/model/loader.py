@@ -24,6 +24,7 @@ import torch
 from loom.core.setting import setting
 from loom.model.device import DTYPES, resolve_device, resolve_dtype
 from loom.model.family import family_of
+from loom.model.gguf_metadata import check_gguf
 from loom.model.linear import METHODS, check_method
 
 log = logging.getLogger(__name__)
@@ -149,6 +150,7 @@ def converted_gguf_folder(gguf_path: Path, cache_root: Path) -> Path:
     if (folder / "config.json").is_file():
         log.info("loading converted model from %s", folder)
         return folder
+    check_gguf(gguf_path)  # what transformers' reader would drop, refused by name (4 s)
     log.info("converting %s (once; cached in %s)", gguf_path.name, folder)
     folder.parent.mkdir(parents=True, exist_ok=True)
     staging = Path(tempfile.mkdtemp(prefix=".converting-", dir=folder.parent))

@@ -12,6 +12,8 @@ from typing import Any
 import pytest
 import torch
 
+from loom.model.family import UnsupportedModelError
+from loom.model.gguf_metadata import check_gguf
 from loom.model.loader import (
     ModelConfig,
     converted_gguf_folder,
@@ -136,3 +138,60 @@ def test_serve_refuses_a_model_it_does_not_implement_by_name(
     assert result.returncode == 1
     assert f"loom: {message}" in result.stderr
     assert "Traceback" not in result.stderr
+
+
+def write_gguf(path: Path, arch: str, keys: dict[str, Any], tensors: tuple[str, ...] = ()) -> Path:
+    """A GGUF file of `arch` with these metadata keys (floats, ints, strings) and tensors."""
+    import gguf
+    import numpy as np
+
+    writer = gguf.GGUFWriter(path, arch)
+    for key, value in keys.items():
+        add = {float: writer.add_float32, int: writer.add_uint32, str: writer.add_string}
+        add[type(value)](key, value)
+    for name in (*tensors, "token_embd.weight"):
+        writer.add_tensor(name, np.ones((4, 32), dtype=np.float32))
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    return path
+
+
+GEMMA2_KEYS = {"gemma2.attn_logit_softcapping": 50.0, "gemma2.final_logit_softcapping": 30.0}
+
+
+@pytest.mark.parametrize(
+    ("arch", "keys", "tensors", "message"),
+    [
+        ("llama", {}, ("rope_freqs.weight",), "GGUF tensor rope_freqs.weight"),
+        ("gemma3", {"gemma3.rope.scaling.type": "linear", "gemma3.rope.scaling.factor": 8.0},
+         (), "GGUF gemma3.rope.scaling.type 'linear' is not read by transformers' GGUF reader"),
+        ("gemma2", {**GEMMA2_KEYS, "gemma2.final_logit_softcapping": 15.0}, (),
+         "GGUF gemma2.final_logit_softcapping 15.0 is not read .* \\(it would take 30.0\\)"),
+        ("qwen2", {"qwen2.attention.sliding_window": 4096}, (),
+         "GGUF qwen2.attention.sliding_window 4096 is not read"),
+        ("mamba", {}, (), "GGUF general.architecture 'mamba' is not supported"),
+    ],
+)  # fmt: skip
+def test_loader_refuses_gguf_metadata_transformers_would_drop(
+    tmp_path: Path, arch: str, keys: dict[str, Any], tensors: tuple[str, ...], message: str
+) -> None:
+    """transformers builds a GGUF model's config from a fixed set of keys: a file that says
+    more (Llama 3.1's rope factors, Gemma 3's rope scaling, other soft caps) would load with
+    the defaults and give other tokens. Refused by name, before any conversion."""
+    path = write_gguf(tmp_path / "model.gguf", arch, keys, tensors)
+    with pytest.raises(UnsupportedModelError, match=message):
+        converted_gguf_folder(path, tmp_path / "cache")
+    assert not (tmp_path / "cache").exists()  # nothing converted, nothing cached
+
+
+def test_loader_checks_pass_gguf_metadata_transformers_reads(tmp_path: Path) -> None:
+    """Gemma 2's mapped window and default soft caps, and the default model's file, pass."""
+    keys = {
+        **GEMMA2_KEYS,
+        "gemma2.attention.sliding_window": 4096,
+        "gemma2.rope.scaling.type": "none",
+    }
+    check_gguf(write_gguf(tmp_path / "gemma2.gguf", "gemma2", keys))
+    check_gguf(default_model_path())
