@@ -12,6 +12,8 @@ from typing import Any
 import pytest
 import torch
 
+from loom.core.block_manager import BlockManager
+from loom.core.config import CacheConfig
 from loom.model.family import UnsupportedModelError
 from loom.model.gguf_metadata import check_gguf
 from loom.model.loader import (
@@ -22,7 +24,10 @@ from loom.model.loader import (
     model_cache_root,
     model_name,
 )
+from loom.model.model_runner import ModelRunner
 from tests.conftest import tiny_model
+from tests.gguf_writer import tokenizer_fields, write_model_gguf
+from tests.greedy import GreedyRequest, reference_tokens, run_greedy
 
 CPU = torch.device("cpu")
 
@@ -195,3 +200,42 @@ def test_loader_checks_pass_gguf_metadata_transformers_reads(tmp_path: Path) -> 
     }
     check_gguf(write_gguf(tmp_path / "gemma2.gguf", "gemma2", keys))
     check_gguf(default_model_path())
+
+
+# Each family's tiny config, within what transformers' GGUF reader maps (the rest takes its
+# config class's defaults, which these match: Qwen3's head_dim 128, Qwen2-MoE's expert sizes).
+GGUF_FAMILIES = {
+    "qwen2": {},
+    "qwen3": {"head_dim": 128},
+    "phi3": {},
+    "gemma2": {"head_dim": 16, "sliding_window": 12},
+    "gemma3_text": {"head_dim": 16, "sliding_window": 12, "num_hidden_layers": 6},
+    "qwen2_moe": {"num_experts": 4, "num_experts_per_tok": 2, "moe_intermediate_size": 1408,
+                  "shared_expert_intermediate_size": 5632},
+}  # fmt: skip
+
+
+@pytest.fixture(scope="module")
+def gguf_tokenizer() -> list[tuple[str, Any, Any, Any]]:
+    return tokenizer_fields(default_model_path())
+
+
+@pytest.mark.parametrize("family", sorted(GGUF_FAMILIES))
+def test_loader_serves_each_familys_gguf_file_token_for_token(
+    family: str, tmp_path: Path, gguf_tokenizer: list[tuple[str, Any, Any, Any]]
+) -> None:
+    """A GGUF file of each family (written here as llama.cpp names it: the families' real
+    files cannot be downloaded), loaded through `--model FILE.gguf` (transformers' reader,
+    the model cache), then served by Loom's runner: the tokens the original model gives."""
+    original = tiny_model(family, vocab_size=49152, **GGUF_FAMILIES[family])
+    with torch.no_grad():  # norms away from their initial values: Gemma's `1 + w` must be right
+        for name, weight in original.model.named_parameters():
+            if "norm" in name:
+                weight.add_(0.3 * torch.randn_like(weight))
+    path = write_model_gguf(original.model, tmp_path / f"{family}.gguf", gguf_tokenizer)
+    loaded = load_model(str(path), dtype=torch.float32, device=CPU, cache_dir=tmp_path / "cache")
+    assert loaded.model.config.model_type == family
+    requests = [GreedyRequest(request_id="r", prompt=list(range(3, 33)), max_tokens=12)]
+    runner = ModelRunner(loaded, CacheConfig(num_blocks=16, block_size=4))
+    run_greedy(runner, BlockManager(num_blocks=16, block_size=4), requests, chunk_size=7)
+    assert requests[0].output == reference_tokens(original.model, requests[0].prompt, 12)
