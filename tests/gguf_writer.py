@@ -39,7 +39,9 @@ def write_model_gguf(model: Any, path: Path, tokenizer: list[tuple[str, Any, Any
     arch = next(k for k, v in gguf.MODEL_ARCH_NAMES.items() if v == arch_name)
     names = gguf.get_tensor_name_map(arch, config.num_hidden_layers)
     writer = gguf.GGUFWriter(path, arch_name)
-    values = {**config.to_dict(), "rope_theta": config.rope_parameters.get("rope_theta", 10000.0)}
+    rope = config.rope_parameters
+    rope = rope.get("full_attention", rope)  # Gemma 3: the file's base is its global layers'
+    values = {**config.to_dict(), "rope_theta": rope["rope_theta"]}
     mapping = GGUF_CONFIG_MAPPING.get(config.model_type) or GGUF_CONFIG_MAPPING[arch_name]
     for key, hf_key in mapping.items():
         value = values.get(hf_key) if hf_key else None

@@ -61,7 +61,7 @@ def norm_weight(family: Family, weight: torch.Tensor) -> torch.Tensor:
     return weight.clone()
 
 
-def fused(
+def stacked(
     weights: dict[str, torch.Tensor], prefix: str, names: str, fused_name: str
 ) -> torch.Tensor:
     """`prefix + fused_name` where the checkpoint has it fused (Phi-3), else the parts stacked."""
@@ -94,12 +94,12 @@ def load_layer(
         input_norm=norm("input_layernorm"),
         qkv=linear(
             "qkv",
-            fused(weights, attn, "q_proj k_proj v_proj", "qkv_proj"),
+            stacked(weights, attn, "q_proj k_proj v_proj", "qkv_proj"),
             torch.cat(biases) if biases else None,
         ),
         o=linear("o", weights[attn + "o_proj.weight"], clone(weights.get(attn + "o_proj.bias"))),
         mlp_norm=norm("pre_feedforward_layernorm" if gemma else "post_attention_layernorm"),
-        gate_up=linear("gate_up", fused(weights, mlp, "gate_proj up_proj", "gate_up_proj")),
+        gate_up=linear("gate_up", stacked(weights, mlp, "gate_proj up_proj", "gate_up_proj")),
         down=linear("down", weights[mlp + "down_proj.weight"]),
         experts=experts,
         attn_out_norm=norm("post_attention_layernorm") if gemma else None,

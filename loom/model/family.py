@@ -138,7 +138,10 @@ def family_of(config: Any) -> Family:
         sandwich_norms=gemma,
         norm_offset=1.0 if gemma else 0.0,
         embed_scale=math.sqrt(config.hidden_size) if gemma else None,
-        attn_softcap=getattr(config, "attn_logit_softcapping", None) if gemma else None,
+        # Gemma 3's modules keep `attn_logit_softcapping` but never apply it; Gemma 2's do.
+        attn_softcap=getattr(config, "attn_logit_softcapping", None)
+        if model_type == "gemma2"
+        else None,
         final_softcap=getattr(config, "final_logit_softcapping", None) if gemma else None,
         top_k=int(getattr(config, "num_experts_per_tok", 0) or 0),
         normalize_top_k=bool(getattr(config, "norm_topk_prob", False)),

@@ -3,8 +3,10 @@
 Loom loads a GGUF file through transformers, which dequantises it into a Hugging Face model and
 a config built from a fixed set of the file's metadata keys (transformers'
 `GGUF_CONFIG_MAPPING`). A key outside that set is dropped and the config's default stands in:
-a Llama 3.1 file's rope scaling (its `rope_freqs` tensor), a sliding window where the reader
-does not map one, Gemma 2's soft caps where they differ from the default. The model would load
+a Llama 3.1 or Phi-3 long-context file's rope scaling (tensors of factors), a sliding window
+where the reader does not map one, Gemma 2's soft caps where they differ from the default,
+Gemma's `query_pre_attn_scalar` (not in the file: 256 is taken, wrong for heads of another
+size). The model would load
 and give other tokens than the file's model, silently; these are refused before anything is
 converted, with the key's name. Convert such a model to a Hugging Face folder (its config then
 says everything) and serve that.
@@ -19,6 +21,11 @@ from loom.model.family import UnsupportedModelError
 
 # GGUF's architecture names, for the families Loom runs (transformers reads all of these).
 ARCHITECTURES = ("llama", "mistral", "qwen2", "qwen3", "phi3", "gemma2", "gemma3", "qwen2moe")
+ROPE_TENSORS = {
+    "rope_freqs.weight": "Llama 3.1's",
+    "rope_factors_long.weight": "Phi-3's long context",
+    "rope_factors_short.weight": "Phi-3's long context",
+}
 # transformers' defaults for what its reader does not map: a file may say them, and no other.
 DEFAULTS = {
     "gemma2.attn_logit_softcapping": 50.0,
@@ -47,10 +54,18 @@ def check_gguf(path: Path) -> None:
         refused = refusal(key, key[len(arch) + 1 :], field.contents(), read)
         if refused is not None:
             raise UnsupportedModelError(f"GGUF {key} {refused}")
-    if any(tensor.name == "rope_freqs.weight" for tensor in reader.tensors):
+    for tensor in reader.tensors:
+        if tensor.name in ROPE_TENSORS:
+            raise UnsupportedModelError(
+                f"GGUF tensor {tensor.name} (rope scaling factors: {ROPE_TENSORS[tensor.name]}) "
+                "is not read by transformers' GGUF reader; serve the model's Hugging Face folder"
+            )
+    key_length = reader.fields.get(f"{arch}.attention.key_length")
+    if arch in ("gemma2", "gemma3") and key_length is not None and key_length.contents() != 256:
         raise UnsupportedModelError(
-            "GGUF tensor rope_freqs.weight (rope scaling factors, as Llama 3.1's) is not read "
-            "by transformers' GGUF reader; serve the model's Hugging Face folder"
+            f"GGUF {arch}.attention.key_length {key_length.contents()}: the file does not say "
+            "query_pre_attn_scalar, and transformers' GGUF reader takes 256 (right only for "
+            "heads of 256; Gemma's 27B models differ); serve the model's Hugging Face folder"
         )
 
 

@@ -112,7 +112,11 @@ def test_family_matches_generate_chunked_and_batched(name: str) -> None:
 def test_family_logits_match_transformers(name: str) -> None:
     """Every logit of a 30-token prompt, in one forward, as transformers' forward gives them
     (greedy tokens alone cannot show a monotonic change, such as Gemma 2's final soft cap)."""
-    loaded = case_model(name)
+    assert_logits_match(case_model(name))
+
+
+def assert_logits_match(loaded: LoadedModel) -> None:
+    """Loom's logits after each token of a 30-token prompt are transformers' within 1e-4."""
     runner = ModelRunner(loaded, CacheConfig(num_blocks=16, block_size=4))
     prompt = requests_for((30,), 1)[0].prompt
     seq = ScheduledSequence(
@@ -224,6 +228,15 @@ def test_int8_is_refused_where_its_smoothing_does_not_know_the_norms() -> None:
         UnsupportedModelError, match="quantization int8 is not supported for gemma2"
     ):
         DecoderModel(case_model("gemma2").model, quantization="int8")
+
+
+def test_gemma3_keeps_attn_logit_softcapping_unapplied_as_transformers_does() -> None:
+    """Gemma 3's config carries `attn_logit_softcapping`, its attention never applies it:
+    logits equal transformers' with the field set."""
+    loaded = case_model("gemma3")
+    loaded.model.config.attn_logit_softcapping = 0.5
+    assert family_of(loaded.model.config).attn_softcap is None
+    assert_logits_match(loaded)
 
 
 def test_every_family_has_a_case() -> None:

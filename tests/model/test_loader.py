@@ -170,6 +170,10 @@ GEMMA2_KEYS = {"gemma2.attn_logit_softcapping": 50.0, "gemma2.final_logit_softca
     ("arch", "keys", "tensors", "message"),
     [
         ("llama", {}, ("rope_freqs.weight",), "GGUF tensor rope_freqs.weight"),
+        ("phi3", {}, ("rope_factors_long.weight", "rope_factors_short.weight"),
+         "GGUF tensor rope_factors_long.weight \\(rope scaling factors: Phi-3's long context\\)"),
+        ("gemma2", {**GEMMA2_KEYS, "gemma2.attention.key_length": 128}, (),
+         "GGUF gemma2.attention.key_length 128: the file does not say query_pre_attn_scalar"),
         ("gemma3", {"gemma3.rope.scaling.type": "linear", "gemma3.rope.scaling.factor": 8.0},
          (), "GGUF gemma3.rope.scaling.type 'linear' is not read by transformers' GGUF reader"),
         ("gemma2", {**GEMMA2_KEYS, "gemma2.final_logit_softcapping": 15.0}, (),
@@ -208,8 +212,8 @@ GGUF_FAMILIES = {
     "qwen2": {},
     "qwen3": {"head_dim": 128},
     "phi3": {},
-    "gemma2": {"head_dim": 16, "sliding_window": 12},
-    "gemma3_text": {"head_dim": 16, "sliding_window": 12, "num_hidden_layers": 6},
+    "gemma2": {"head_dim": 256, "sliding_window": 12},  # the only head size a file can say
+    "gemma3_text": {"head_dim": 256, "sliding_window": 12, "num_hidden_layers": 6},
     "qwen2_moe": {"num_experts": 4, "num_experts_per_tok": 2, "moe_intermediate_size": 1408,
                   "shared_expert_intermediate_size": 5632},
 }  # fmt: skip
