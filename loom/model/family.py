@@ -104,9 +104,8 @@ def family_of(config: Any) -> Family:
         )
     refuse_unsupported(config, model_type)
     gemma = model_type in GEMMA
-    head_dim = int(
-        getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
-    )
+    heads = config.num_attention_heads
+    head_dim = int(getattr(config, "head_dim", None) or config.hidden_size // heads)
     rope = config.rope_parameters
     per_kind = (
         gemma and set(rope) <= set(LAYER_KINDS) and all(isinstance(v, dict) for v in rope.values())
