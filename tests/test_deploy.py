@@ -19,6 +19,7 @@ import pytest
 import yaml
 
 from loom.cli import parser
+from loom.model.loader import TENSORS_FILE
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -172,11 +173,22 @@ def test_deploy_dockerfile_is_clean_for_hadolint() -> None:
 
 
 @pytest.mark.smollm2
-def test_deploy_the_image_s_model_warm_up_command_works(dockerfile: str) -> None:
-    """The Dockerfile's `python -m MODULE` converts (or finds) the default model."""
-    (module,) = re.findall(r"python -m (loom[\w.]*)", dockerfile)
-    result = subprocess.run(
-        [sys.executable, "-m", module], capture_output=True, text=True, timeout=300
-    )
-    assert result.returncode == 0, result.stderr[-2000:]
-    assert (Path(result.stdout.strip()) / "model.safetensors").is_file()
+def test_deploy_the_image_s_bake_commands_work(dockerfile: str) -> None:
+    """The Dockerfile's `python -m MODULE` commands: the default model's conversion (config,
+    tokenizer and tensor names: no weights) and both kernel libraries, neither loaded."""
+    modules = re.findall(r"python -m (loom[\w.]*)", dockerfile)
+    assert modules == ["loom.model.loader", "loom.model.kernels"]
+    printed = []
+    for module in modules:
+        result = subprocess.run(
+            [sys.executable, "-m", module], capture_output=True, text=True, timeout=600
+        )
+        assert result.returncode == 0, result.stderr[-2000:]
+        printed.append(result.stdout.split())
+    (folder,), libraries = printed
+    assert (Path(folder) / TENSORS_FILE).is_file()
+    assert not list(Path(folder).glob("*.safetensors"))
+    assert sorted(Path(library).name for library in libraries) == [
+        "loom_kernels_avx2.so", "loom_kernels_vnni.so",
+    ]  # fmt: skip
+    assert all(Path(library).is_file() for library in libraries)

@@ -24,6 +24,7 @@ LAYERS = {
     "bench": 4,
     "chaos": 4,
     "cli": 4,
+    "entry_point": 4,
 }
 # Third-party packages that belong to a higher layer than the key's.
 FORBIDDEN = {

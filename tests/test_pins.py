@@ -3,7 +3,8 @@ lock files), and every name of theirs that Loom relies on is checked here, with 
 relied on in: an upgrade that renames or reshapes one fails this test, not a client.
 
 Public names are checked as used (an h2 connection driven the way loom/server/boundary/ drives
-it); the few private ones (grpclib's client, for a chaos client's TCP reset) are listed by name.
+it); the few private ones (grpclib's client, for a chaos client's TCP reset; torch's extension
+builder, which the kernels call to build a library without loading it) are listed by name.
 """
 
 from __future__ import annotations
@@ -24,7 +25,9 @@ import h2.settings
 from grpclib.metadata import Deadline, decode_metadata, encode_grpc_message, encode_metadata
 from hpack import Decoder, Encoder, NeverIndexedHeaderTuple
 from hyperframe.frame import Frame, GoAwayFrame, PingFrame, SettingsFrame
+from torch.utils import cpp_extension
 
+from loom.model import kernels
 from loom.server.boundary.call import Call
 from loom.server.boundary.frames import advertised, goaway
 
@@ -161,6 +164,15 @@ def test_pins_the_private_names_of_grpclib_s_client_loom_relies_on() -> None:
     assert "self._protocol" in source
     assert "self.connection" in inspect.getsource(grpclib.protocol.H2Protocol)
     assert "self._transport = transport" in inspect.getsource(grpclib.protocol.Connection)
+
+
+def test_pins_torch_s_extension_builder_takes_what_the_kernels_pass() -> None:
+    """loom/model/kernels `build`: torch's private builder, called as `cpp_extension.load`
+    calls it, with every argument it requires."""
+    for chosen in kernels.ISAS:
+        path = kernels.library_path(chosen)
+        inspect.signature(kernels.builder()).bind(**kernels.builder_arguments(chosen, path))
+    assert "_write_ninja_file_and_build_library(" in inspect.getsource(cpp_extension._jit_compile)
 
 
 def test_pins_h2_s_decoder_takes_the_decoded_header_limit_loom_sets() -> None:

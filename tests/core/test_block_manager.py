@@ -299,7 +299,11 @@ class BlockManagerMachine(RuleBasedStateMachine):
         assert self.manager.num_cached_blocks == len(cached)
 
 
-BlockManagerMachine.TestCase.settings = settings(max_examples=200, stateful_step_count=40)
+BlockManagerMachine.TestCase.settings = settings(
+    max_examples=200,
+    stateful_step_count=40,
+    deadline=None,  # 40 steps: no limit on a loaded machine
+)
 test_block_manager_stateful = BlockManagerMachine.TestCase
 
 
@@ -331,7 +335,11 @@ class SlidingBlockManagerMachine(BlockManagerMachine):
             assert len(table) * 4 >= num_tokens
 
 
-SlidingBlockManagerMachine.TestCase.settings = settings(max_examples=200, stateful_step_count=40)
+SlidingBlockManagerMachine.TestCase.settings = settings(
+    max_examples=200,
+    stateful_step_count=40,
+    deadline=None,  # 40 steps: no limit on a loaded machine
+)
 test_block_manager_sliding_stateful = SlidingBlockManagerMachine.TestCase
 
 

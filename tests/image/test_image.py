@@ -21,7 +21,10 @@ from tests.image import harness
 from tests.image.conftest import FIGURES
 
 QUESTION = "What is the capital of France?"
-SIZE_LIMIT = 1.8e9  # bytes (issue 25)
+# The image's target is 1.3 GB on python:3.11-slim-bookworm (about 0.15 GB); the stand-in bases
+# made here measure 0.16 to 0.24 GB by machine. So what Loom adds to its base is held to the
+# target less the largest base it is built on: a figure no build host moves.
+IMAGE_TARGET, BASE_ALLOWANCE = 1.3e9, 0.3e9  # bytes
 
 
 def serving(port: int) -> bool:
@@ -44,12 +47,19 @@ def answer(port: int) -> str:
 
 
 def test_image_is_small_has_no_compiler_and_bakes_both_kernel_libraries(image: str) -> None:
-    assert harness.size_bytes(image) < SIZE_LIMIT
+    added = harness.size_bytes(image) - harness.size_bytes(harness.BASE)
+    FIGURES["added to the base"] = (
+        f"{added / 1e6:.0f} MB (at most {(IMAGE_TARGET - BASE_ALLOWANCE) / 1e6:.0f} MB)"
+    )
+    assert added <= IMAGE_TARGET - BASE_ALLOWANCE
     script = "command -v cc c++ gcc g++ clang; find /var/cache/loom/torch_extensions -type f"
     found = harness.docker("run", "--rm", "--entrypoint", "sh", image, "-c", script, check=False)
     files = found.split()
     assert all(f.startswith("/var/cache/loom/torch_extensions/") for f in files), files
-    assert {f.rsplit("/", 1)[1] for f in files} >= {"loom_kernels_avx2.so"}
+    assert sorted(f.rsplit("/", 1)[1] for f in files) == [
+        "loom_kernels_avx2.so",
+        "loom_kernels_vnni.so",
+    ]
     assert all(f.endswith(".so") for f in files)  # no object files, no build files
 
 

@@ -17,6 +17,7 @@ from loom.core.config import CacheConfig
 from loom.model.family import UnsupportedModelError
 from loom.model.gguf_metadata import check_gguf
 from loom.model.loader import (
+    TENSORS_FILE,
     ModelConfig,
     converted_gguf_folder,
     default_model_path,
@@ -26,7 +27,7 @@ from loom.model.loader import (
 )
 from loom.model.model_runner import ModelRunner
 from tests.conftest import tiny_model
-from tests.gguf_writer import tokenizer_fields, write_model_gguf
+from tests.gguf_writer import small_tokenizer_fields, write_model_gguf
 from tests.greedy import GreedyRequest, reference_tokens, run_greedy
 
 CPU = torch.device("cpu")
@@ -92,18 +93,43 @@ def test_loader_default_model_is_the_smollm2_gguf_of_the_wheel() -> None:
 
 
 @pytest.mark.smollm2
-def test_loader_converts_gguf_once_then_loads_from_the_cache(tmp_path: Path) -> None:
+def test_loader_converts_gguf_once_then_reads_its_weights_as_transformers_does(
+    tmp_path: Path,
+) -> None:
+    """The cache keeps the config, the tokenizer and the tensors' names (megabytes, no
+    weights); each load reads the weights from the file, the bits transformers' reader gives."""
     first = load_model(None, dtype=torch.float32, device=CPU, cache_dir=tmp_path)
-    (folder,) = (tmp_path / "models").iterdir()
-    assert (folder / "model.safetensors").is_file()
-    assert (folder / "tokenizer.json").is_file()
-    stamp = (folder / "model.safetensors").stat().st_mtime_ns
+    (folder,) = (tmp_path / "gguf").iterdir()
+    assert {"config.json", "tokenizer.json", TENSORS_FILE} <= {p.name for p in folder.iterdir()}
+    assert not list(folder.glob("*.safetensors"))
+    assert sum(p.stat().st_size for p in folder.iterdir()) < 5e6
+    stamp = (folder / TENSORS_FILE).stat().st_mtime_ns
     second = load_model(None, dtype=torch.float32, device=CPU, cache_dir=tmp_path)
-    assert (folder / "model.safetensors").stat().st_mtime_ns == stamp  # not converted again
-    assert [p.name for p in (tmp_path / "models").iterdir()] == [folder.name]  # no leftovers
+    assert (folder / TENSORS_FILE).stat().st_mtime_ns == stamp  # not converted again
+    assert [p.name for p in (tmp_path / "gguf").iterdir()] == [folder.name]  # no leftovers
     assert first.model.config.num_hidden_layers == second.model.config.num_hidden_layers == 30
-    for name, tensor in first.model.state_dict().items():
-        assert torch.equal(tensor, second.model.state_dict()[name]), name
+    assert_same_weights(second.model, transformers_read(default_model_path()))
+
+
+def transformers_read(path: Path) -> Any:
+    """The model transformers' own GGUF reader makes of the file at `path`, in float32."""
+    from transformers import AutoModelForCausalLM
+
+    return AutoModelForCausalLM.from_pretrained(
+        str(path.parent), gguf_file=path.name, dtype=torch.float32
+    )
+
+
+def assert_same_weights(model: Any, reference: Any) -> None:
+    """The same weights, bit for bit, by the same names (tied ones tied alike)."""
+    ours, theirs = model.state_dict(), reference.state_dict()
+    assert sorted(ours) == sorted(theirs)
+    for name, tensor in theirs.items():
+        assert ours[name].dtype == tensor.dtype, name
+        assert torch.equal(ours[name], tensor), name
+    tied = reference.config.tie_word_embeddings
+    embeddings = model.get_input_embeddings().weight, model.get_output_embeddings().weight
+    assert (embeddings[0].data_ptr() == embeddings[1].data_ptr()) == tied
 
 
 @pytest.mark.smollm2
@@ -209,6 +235,7 @@ def test_loader_checks_pass_gguf_metadata_transformers_reads(tmp_path: Path) -> 
 # Each family's tiny config, within what transformers' GGUF reader maps (the rest takes its
 # config class's defaults, which these match: Qwen3's head_dim 128, Qwen2-MoE's expert sizes).
 GGUF_FAMILIES = {
+    "llama": {},
     "qwen2": {},
     "qwen3": {"head_dim": 128},
     "phi3": {},
@@ -221,7 +248,8 @@ GGUF_FAMILIES = {
 
 @pytest.fixture(scope="module")
 def gguf_tokenizer() -> list[tuple[str, Any, Any, Any]]:
-    return tokenizer_fields(default_model_path())
+    """SmolLM2's tokenizer cut to the tiny models' 512 tokens: read in milliseconds."""
+    return small_tokenizer_fields(default_model_path(), 512)
 
 
 @pytest.mark.parametrize("family", sorted(GGUF_FAMILIES))
@@ -229,9 +257,10 @@ def test_loader_serves_each_familys_gguf_file_token_for_token(
     family: str, tmp_path: Path, gguf_tokenizer: list[tuple[str, Any, Any, Any]]
 ) -> None:
     """A GGUF file of each family (written here as llama.cpp names it: the families' real
-    files cannot be downloaded), loaded through `--model FILE.gguf` (transformers' reader,
-    the model cache), then served by Loom's runner: the tokens the original model gives."""
-    original = tiny_model(family, vocab_size=49152, **GGUF_FAMILIES[family])
+    files cannot be downloaded), loaded through `--model FILE.gguf` (the model cache, the
+    weights read from the file: transformers' bits), then served by Loom's runner: the tokens
+    the original model gives."""
+    original = tiny_model(family, **GGUF_FAMILIES[family])
     with torch.no_grad():  # norms away from their initial values: Gemma's `1 + w` must be right
         for name, weight in original.model.named_parameters():
             if "norm" in name:
@@ -239,6 +268,7 @@ def test_loader_serves_each_familys_gguf_file_token_for_token(
     path = write_model_gguf(original.model, tmp_path / f"{family}.gguf", gguf_tokenizer)
     loaded = load_model(str(path), dtype=torch.float32, device=CPU, cache_dir=tmp_path / "cache")
     assert loaded.model.config.model_type == family
+    assert_same_weights(loaded.model, transformers_read(path))
     requests = [GreedyRequest(request_id="r", prompt=list(range(3, 33)), max_tokens=12)]
     runner = ModelRunner(loaded, CacheConfig(num_blocks=16, block_size=4))
     run_greedy(runner, BlockManager(num_blocks=16, block_size=4), requests, chunk_size=7)

@@ -186,10 +186,11 @@ def test_boundary_silent_and_idle_connections_are_closed_at_their_timeouts() -> 
     it and then nothing, at --idle-timeout (with a GOAWAY)."""
     flags = [*SIM, *SHORT_TIMEOUTS, "--idle-timeout", "2"]
     with launched_process(flags) as (port, _):
+        opened = time.monotonic()  # the closes are timed from here, whatever happens between
         silent = attacks.silent_connections(HOST, port, 50, source="127.0.0.2")
         idle = attacks.silent_connections(HOST, port, 5, source="127.0.0.3", preface=True)
         assert served(port)
-        closed = attacks.when_closed(silent + idle, seconds=10)
+        closed = attacks.when_closed(silent + idle, seconds=10, since=opened)
     print(
         f"silent: closed after {max(c or 99 for c in closed[:50]):.2f} s at most; idle: after "
         f"{min(c or 99 for c in closed[50:]):.2f} to {max(c or 99 for c in closed[50:]):.2f} s"
@@ -316,13 +317,14 @@ def test_boundary_trickled_frames_and_refused_streams_keep_no_connection_open() 
         preface = attacks.PREFACE + attacks.frame(attacks.SETTINGS, 0, 0)
         headers = attacks.frame(attacks.HEADERS, attacks.END_HEADERS, 1, block)
         settings = attacks.frame(attacks.SETTINGS, 0, 0, bytes(6 * 10))
+        opened = time.monotonic()
         socks = [trickled(port, preface + headers[:9], headers[9:], "127.0.0.2")]
         socks.append(trickled(port, attacks.PREFACE + settings[:9], settings[9:], "127.0.0.3"))
         unknown = attacks.request_block(f"{HOST}:{port}", "/no.Such/Method")
         reset = attacks.frame(attacks.RST_STREAM, 0, 1, attacks.CANCEL.to_bytes(4, "big"))
         refused = attacks.connect(HOST, port, "127.0.0.4")
         refused.sendall(preface + attacks.frame(attacks.HEADERS, 4, 1, unknown) + reset)
-        closed = attacks.when_closed([*socks, refused], seconds=8)
+        closed = attacks.when_closed([*socks, refused], seconds=8, since=opened)
         assert served(port)
     print(
         f"trickled HEADERS closed after {closed[0]} s, SETTINGS after {closed[1]} s; "

@@ -66,3 +66,16 @@ async def test_loom_health_fails_when_nothing_listens() -> None:
         code, output = await loom_health(port, "--timeout", "2")
     assert code == 2
     assert "no answer" in output
+
+
+async def test_loom_health_imports_neither_torch_nor_transformers() -> None:
+    """Docker gives each probe 5 s: `loom health` makes its one call with grpclib alone, not
+    after 3 s of importing the engine (loom/entry_point.py)."""
+    command = [sys.executable, "-X", "importtime", "-m", "loom", "health", "--address",
+               "127.0.0.1:1", "--timeout", "1"]  # fmt: skip
+    with trio.fail_after(60):
+        result = await trio.run_process(command, capture_stderr=True, check=False)
+    imported = {line.rsplit("|", 1)[-1].strip() for line in result.stderr.decode().splitlines()}
+    assert result.returncode == 2
+    assert "grpclib.client" in imported
+    assert not {"torch", "transformers", "loom.cli"} & imported

@@ -15,16 +15,19 @@ dot products (`vpdpbusd`, `vpdpwssd`), two groups of 8 outputs in one 512-bit re
 AVX2's multiply-adds. The library is named by that choice, so that a cache built on one CPU
 (the image bakes one) is never loaded on a CPU without the instructions. `LOOM_KERNELS=avx2`
 builds the AVX2 products on any CPU (the tests check both where they can).
+`python -m loom.model.kernels` builds both libraries, loading neither.
 """
 
 from __future__ import annotations
 
 import functools
 import hashlib
+import inspect
 import os
 import shutil
 import sys
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -117,19 +120,56 @@ def load() -> None:
     reason = unavailable()
     if reason is not None:
         raise RuntimeError(f"Loom's CPU kernels cannot run here: {reason}")
-    chosen = choice()
+    path = library_path(choice())
+    if not built(path):
+        build(choice())
+    torch.ops.load_library(str(path))  # type: ignore[no-untyped-call]
+
+
+ISAS = ("vnni", "avx2")
+
+
+def build(chosen: str) -> Path:
+    """Build the library for `chosen` (one of ISAS) into its folder, without loading it: so a
+    library for instructions this CPU lacks builds as well as any (the image bakes every one,
+    whatever CPU builds it). One process builds while others wait on the folder's lock, as
+    torch's `cpp_extension.load` does, with the builder that `load` calls (`builder`)."""
+    from torch.utils.file_baton import FileBaton
+
+    reason = unbuildable()
+    if reason is not None:
+        raise RuntimeError(f"Loom's CPU kernels cannot be built here: {reason}")
     path = library_path(chosen)
-    if built(path):
-        torch.ops.load_library(str(path))  # type: ignore[no-untyped-call]
-        return
+    path.parent.mkdir(parents=True, exist_ok=True)
+    baton = FileBaton(str(path.parent / "lock"))
+    if not baton.try_acquire():
+        baton.wait()
+        return path
+    try:
+        if not path.exists():
+            builder()(**builder_arguments(chosen, path))
+    finally:
+        baton.release()
+    return path
+
+
+def builder() -> Any:
+    """torch's builder of an extension's library (what `cpp_extension.load` runs before it
+    loads the library), private to torch: tests/test_pins.py checks the call's shape."""
     from torch.utils import cpp_extension
 
-    path.parent.mkdir(parents=True, exist_ok=True)
-    cpp_extension.load(  # builds into the folder, then loads
-        name=path.stem,
-        sources=[str(source) for source in SOURCES],
-        extra_cflags=flags(chosen),
-        extra_ldflags=["-fopenmp"],
-        build_directory=str(path.parent),
-        is_python_module=False,
-    )
+    return cpp_extension._write_ninja_file_and_build_library
+
+
+def builder_arguments(chosen: str, path: Path) -> dict[str, Any]:
+    """The builder's arguments for the library at `path`: those this torch's builder takes
+    (2.7 added SYCL's, which Loom leaves off)."""
+    arguments = {
+        "name": path.stem, "sources": [str(source) for source in SOURCES],
+        "extra_cflags": flags(chosen), "extra_cuda_cflags": None, "extra_sycl_cflags": None,
+        "extra_ldflags": ["-fopenmp"], "extra_include_paths": None,
+        "build_directory": str(path.parent), "verbose": False, "with_cuda": False,
+        "with_sycl": False,
+    }  # fmt: skip
+    accepted = inspect.signature(builder()).parameters
+    return {name: value for name, value in arguments.items() if name in accepted}
