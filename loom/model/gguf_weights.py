@@ -46,11 +46,25 @@ def tensor_data(buffer: Any, tensor: TensorInfo) -> np.ndarray:
 
 def names(model: Any, architecture: str) -> dict[str, str]:
     """Which of the model's weights each of the file's tensors is (GGUF name -> Hugging Face
-    name), as transformers maps them for `model` (a skeleton on the meta device will do)."""
-    from transformers.modeling_gguf_pytorch_utils import get_gguf_hf_weights_map
+    name) for `model` (a skeleton on the meta device will do): transformers' mapping (gguf's
+    name table, then the processor's renames and fallbacks, as for a mixture's stacked
+    experts), with the table built once rather than once for every module."""
+    from gguf import MODEL_ARCH_NAMES, get_tensor_name_map
 
-    config = model.config.to_dict()
-    mapping: dict[str, str] = get_gguf_hf_weights_map(model, processor(architecture, config))
+    (arch,) = [key for key, value in MODEL_ARCH_NAMES.items() if value == architecture]
+    table = get_tensor_name_map(arch, model.config.num_hidden_layers)
+    steps = processor(architecture, model.config.to_dict())
+    mapping: dict[str, str] = {}
+    for hf_name in model.state_dict():
+        hf_name = steps.preprocess_name(hf_name)
+        base, dot, suffix = hf_name.rpartition(".")
+        if suffix not in ("weight", "bias"):
+            base, dot, suffix = hf_name, "", ""
+        gguf_name = table.get_name(base)
+        if gguf_name is None:
+            steps.perform_fallback_tensor_mapping(mapping, dot + suffix, "", hf_name)
+        else:
+            mapping[gguf_name + dot + suffix] = hf_name
     return mapping
 
 
