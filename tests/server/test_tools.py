@@ -10,6 +10,8 @@ random Llama picks whatever the mask lets through, so a schema it passes is the 
 from __future__ import annotations
 
 import json
+import subprocess
+import sys
 from typing import Any
 
 import jsonschema
@@ -151,12 +153,13 @@ async def test_tools_a_named_function_streams_its_arguments_as_they_come(
     assert streamed[0]["function"] == {"name": "add", "arguments": call.function.arguments}
 
 
-async def test_tools_auto_parses_a_hermes_call_and_takes_the_history(
+async def test_tools_auto_takes_the_history_and_refuses_a_grammar_of_the_client_s(
     tiny_chat: LoadedModel,
 ) -> None:
-    """With auto, a <tool_call> block in the answer becomes a call (the answer forced here by a
-    regex, as a model tuned on the format would write it), and a history holding an earlier
-    call and its result renders and is served."""
+    """With auto, a history holding an earlier call and its result renders and is served; a
+    grammar of the client's beside the tools is a 400 naming both fields (kept, it decided
+    what the model wrote inside a call: a regex forcing `<tool_call>` and blanks was how one
+    request froze the thread serving every client), whatever tool_choice asks."""
     block = r'<tool_call>\n\{"name": "add", "arguments": \{"a": [0-9], "b": [0-9]\}\}\n</tool_call>'
     history = [
         *ASKED,
@@ -173,35 +176,40 @@ async def test_tools_auto_parses_a_hermes_call_and_takes_the_history(
         },
         {"role": "tool", "tool_call_id": "call_1", "content": "5"},
     ]
+    refused = []
     async with serving(tiny_chat, http=HTTP) as (server, _):
         client = openai_client(server.http_port or 0)
-
-        def ask() -> tuple[Any, Any]:
-            forced = client.chat.completions.create(
-                model="tiny-llama",
-                messages=ASKED,  # type: ignore[arg-type]
-                tools=TOOLS,  # type: ignore[arg-type]
-                max_tokens=60,
-                extra_body={"structured_outputs": {"regex": block}},
-            )
-            followed = client.chat.completions.create(
+        followed = await trio.to_thread.run_sync(
+            lambda: client.chat.completions.create(
                 model="tiny-llama",
                 messages=history,  # type: ignore[arg-type]
                 tools=TOOLS,  # type: ignore[arg-type]
                 max_tokens=5,
                 temperature=0,
             )
-            return forced, followed
-
-        with trio.fail_after(120):
-            forced, followed = await trio.to_thread.run_sync(ask)
-    choice = forced.choices[0]
-    assert choice.finish_reason == "tool_calls"
-    (call,) = choice.message.tool_calls
-    assert call.function.name == "add"
-    jsonschema.validate(json.loads(call.function.arguments), ADD)
+        )
+        for constraint in (
+            {"structured_outputs": {"regex": block}},
+            {"structured_outputs": {"regex": r"<tool_call>\s{4000}"}},
+            {"response_format": {"type": "json_object"}},
+        ):
+            for choice in ("auto", "required"):
+                body = {"messages": ASKED, "tools": TOOLS, "tool_choice": choice, **constraint}
+                with trio.fail_after(60):
+                    refused.append(await post(server.http_port or 0, "/v1/chat/completions", body))
     assert followed.choices[0].finish_reason == "length"
     assert followed.choices[0].message.content
+    for status, _, raw in refused:
+        assert status == 400, raw
+        error = json.loads(raw)["error"]
+        assert error["param"] == "tool_choice"
+        assert (
+            "response_format and structured_outputs cannot be combined with tools"
+            in (error["message"])
+        )
+
+
+VALID_CALL = '<tool_call>{"name": "add", "arguments": {}}</tool_call>'
 
 
 def test_tools_hermes_parser_takes_whole_blocks_or_nothing() -> None:
@@ -214,10 +222,36 @@ def test_tools_hermes_parser_takes_whole_blocks_or_nothing() -> None:
     for broken in (
         '<tool_call>{"name": "add", "arguments": {"a": 1</tool_call>',  # not JSON
         '<tool_call>{"name": "rm", "arguments": {}}</tool_call>',  # not a tool
+        '<tool_call>{"name": [], "arguments": {}}</tool_call>',  # was a TypeError: a 500
+        '<tool_call>{"name": {"add": 1}}</tool_call>',
+        '<tool_call>{"name": "add", "arguments": [1]}</tool_call>',
+        '<tool_call>{"name": "add", "arguments": "{}"}</tool_call>',
+        '<tool_call>{"name": "add", "arguments": {}}',  # cut by max_tokens
+        VALID_CALL + '<tool_call>{"name": "add"',  # all or nothing
         "<tool_call>[1]</tool_call>",
         "no call at all",
     ):
         assert parser.parse(broken) == (broken, [])
+
+
+PARSE_BLANKS = """
+from loom.server.openai.tools import HermesParser
+parser = HermesParser(names={"add"})
+blanks = " \\n\\t" * 100_000
+for text in ("<tool_call>" + blanks, ("<tool_call>" + blanks) * 2 + "</tool_call>",
+             "<tool_call>" + blanks + "x" + blanks + "</tool_call>" + blanks):
+    assert parser.parse(text) == (text, [])
+call = '{"name": "add", "arguments": {}}'
+assert parser.parse("<tool_call>" + blanks + call + blanks + "</tool_call>")[1]
+"""
+
+
+def test_tools_hermes_parser_is_linear_in_what_a_model_writes() -> None:
+    """300,000 blanks inside and around the tags (a client's grammar forced 4,000 once, and
+    the backtracking pattern then took 28 s): parsed at once, in a process of its own so
+    that a parser that is not linear fails the test rather than holding it."""
+    done = subprocess.run([sys.executable, "-c", PARSE_BLANKS], capture_output=True, timeout=60)
+    assert done.returncode == 0, done.stderr.decode()[-2000:]
 
 
 def deep_tool(levels: int) -> dict[str, Any]:
@@ -270,6 +304,7 @@ async def test_tools_a_history_with_arguments_too_deep_to_read_is_rendered(
             {"tools": TOOLS, "tool_choice": "required", "response_format": {"type": "json_object"}},
             "tool_choice",
         ),
+        ({"tools": TOOLS, "structured_outputs": {"choice": ["a", "b"]}}, "tool_choice"),
         ({"tools": TOOLS, "parallel_tool_calls": "yes"}, "parallel_tool_calls"),
         ({"tools": TOOLS, "tool_choice": {"type": "function", "function": "add"}}, "tool_choice"),
         (

@@ -30,6 +30,14 @@ from loom.server.openai.tools import ToolUse, system_message, tool_turn, tool_us
 from loom.server.relay import Submission
 from loom.server.wire import MAX_CHAT_MESSAGES
 
+# A constraint of the client's is not composed with the tools' format: with `auto` it would
+# decide what the model may write inside a call (a grammar forcing `<tool_call>` and blanks
+# was how one request froze the server), with `required` or a function it contradicts theirs.
+CONSTRAINED_TOOLS = (
+    "response_format and structured_outputs cannot be combined with tools (tool_choice auto, "
+    "required or a function constrains the answer to the tools' format); send tool_choice "
+    "none, or no response_format"
+)
 COMPLETION_MAX_TOKENS = 16  # OpenAI's default for /v1/completions (chat's: the context)
 MAX_USER_CHARS = 256
 ROLES = {"system": "system", "developer": "system", "user": "user", "assistant": "assistant"}
@@ -138,10 +146,10 @@ def ask(
     if len(user) > MAX_USER_CHARS:
         raise invalid(f"user has {len(user)} characters; the limit is {MAX_USER_CHARS}")
     sampling = sampling_of(body, max_tokens, logprobs, echo)
+    if tools is not None and sampling.constraint is not None:
+        raise invalid(CONSTRAINED_TOOLS, "tool_choice")
     forced = tools.constraint() if tools is not None else None
     if forced is not None:
-        if sampling.constraint is not None:
-            raise invalid("a forced tool_choice is itself the constraint", "tool_choice")
         sampling = attrs.evolve(sampling, constraint=forced)
     return Ask(
         model=optional(body, "model", str),

@@ -5,7 +5,8 @@ Streamed: a forced function's arguments stream as they come, in `tool_calls` del
 with the call's id and name, then `function.arguments` pieces). With `auto` or `required` the
 answer is only known whole, so it is held and sent in the last chunk: content, or the calls.
 Whole: the message has `content` (null for calls) and `tool_calls`. A choice ending on calls
-has finish reason `tool_calls`; one that max_tokens cut keeps `length`.
+has finish reason `tool_calls`; one that max_tokens cut keeps `length`, streamed or whole alike
+(a named function's partial arguments are its call's, which a client's parser finds invalid).
 """
 
 from __future__ import annotations
@@ -57,12 +58,14 @@ class ToolFraming(OpenAIFraming):
         )
 
     def whole(self) -> dict[str, Any]:
+        """As the stream frames it: an answer that holds calls is them (a named function's
+        arguments always, even cut by max_tokens: finish `length` says they are incomplete)."""
         result = super().whole()
         for item in result["choices"]:
             content, calls = self.use.calls(item["message"]["content"])
-            if calls and item["finish_reason"] == "stop":
+            if calls:
                 item["message"] = {"role": "assistant", "content": content, "tool_calls": calls}
-                item["finish_reason"] = "tool_calls"
+                item["finish_reason"] = self.reason(item["finish_reason"])
         return result
 
     def reason(self, finish: str | None, calls: bool = True) -> str | None:
