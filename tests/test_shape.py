@@ -1,4 +1,4 @@
-"""The package's shape (../shared/STYLE.md): modules under 300 lines, functions under 50 lines,
+"""The package's shape (the project's style): modules under 300 lines, functions under 50 lines,
 argument tables (`add_parser`) and generated code aside."""
 
 from __future__ import annotations

@@ -1,8 +1,8 @@
 """`loom bench`: drive a Loom server with concurrent streaming clients (gRPC or OpenAI's HTTP API,
 loom/bench/fronts.py) on a fixed workload.
 
-The standard workload (../shared/DESIGN.md §7): prompts of exactly `input_len` tokens, distinct,
-sent as token ids; exactly `output_len` tokens generated (ignore_eos); greedy. Two more for
+The standard workload (BENCHMARKS.md): prompts of exactly `input_len` tokens, distinct, sent as
+token ids; exactly `output_len` tokens generated (ignore_eos); greedy. Two more for
 prefix caching: `shared-prefix` puts one common `prefix_len`-token text (a system prompt) before
 each distinct prompt; `multi-turn` holds `concurrency` conversations of `turns` turns, each turn
 resending the whole history (earlier prompts and replies, as token ids) plus `input_len` new

@@ -84,7 +84,9 @@ class ConstraintConfig:
     )
     constraint_compile_timeout: float = setting(
         2.0,
-        "seconds a constraint may take to compile; beyond it INVALID_ARGUMENT",
+        "seconds a constraint may take to compile, from when its compile begins (not its "
+        "wait for a thread); beyond it INVALID_ARGUMENT, and the tenant's next request for "
+        "it too",
         check=in_range(0, 60, low_open=True),
     )
     constraint_mask_timeout: float = setting(
@@ -94,5 +96,20 @@ class ConstraintConfig:
         check=in_range(0, 60, low_open=True),
     )
     constraint_cache_size: int = setting(
-        256, "compiled constraints kept, by content, most recently used first", check=at_least(1)
+        256,
+        "compiled constraints kept, each by tenant, cache_salt and content (no tenant's "
+        "request is faster for another's), most recently used first",
+        check=at_least(1),
+    )
+    compile_threads: int = setting(
+        2,
+        "constraints compiling at once; a tenant's compiles run one at a time while another "
+        "tenant's wait, so no tenant holds every thread",
+        check=at_least(1),
+    )
+    max_pending_compiles: int = setting(
+        4,
+        "distinct constraints one tenant may have compiling or waiting to compile (copies of "
+        "one, and a request's choices, share its compile); beyond it RESOURCE_EXHAUSTED",
+        check=at_least(1),
     )

@@ -1,4 +1,4 @@
-"""The engine's typed errors; the server maps each to one gRPC status (DESIGN.md §6)."""
+"""The engine's typed errors; the server maps each to one gRPC status (loom/server/status.py)."""
 
 from __future__ import annotations
 

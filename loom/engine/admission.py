@@ -6,8 +6,8 @@
     admission task ── token ids: checked at once, in order
        │              text and chat: tokenised in a worker thread, in a task of their own, so
        │              that no token-id request waits behind a text (texts take turns)
-       │              a constraint: compiled in a worker thread, in that task, under a time
-       │              limit (loom/model/grammar.py)
+       │              a constraint: compiled in that task, shared and queued by tenant,
+       │              under a time limit (loom/engine/compiling.py)
        ▼
     checks: the prompt, the context length, the queued prompt tokens
        │
@@ -37,7 +37,7 @@ from loom.core.prompt import Prompt, PromptChecker, needs_tokenizer
 from loom.core.request import Request
 from loom.core.sampling_params import SamplingParams
 from loom.core.scheduler import Scheduler
-from loom.engine.compiling import compiled
+from loom.engine.compiling import Compiler
 from loom.engine.config import CHARS_PER_TOKEN, EngineConfig
 from loom.engine.queue_share import PUSHED_OUT, QueueShare, queue_full
 from loom.engine.request_stream import RequestStream, in_trio
@@ -72,6 +72,9 @@ class Admission:
         self.prompts = prompts
         self.scheduler = scheduler
         self.grammars = grammars
+        self.compiler = Compiler(grammars, config.constraints)
+        # The submissions being compiled or tokenised: an abort cancels its wait.
+        self.preparing: dict[str, trio.CancelScope] = {}
         self.send, self.recv = trio.open_memory_channel[Submission](
             2 * config.max_waiting_requests  # aborted ones stay until handled
         )
@@ -176,7 +179,10 @@ class Admission:
             self.push_out(victim, PUSHED_OUT.format(limit=limit))
 
     def abort(self, request_id: str) -> bool:
-        """Drop a submission not yet admitted. False if none is pending under that id."""
+        """Drop a submission not yet admitted (a compile it waits on no longer counts it).
+        False if none is pending under that id."""
+        if (scope := self.preparing.get(request_id)) is not None:
+            scope.cancel()
         return self.pending.pop(request_id, None) is not None
 
     def close(self, error: Exception | None = None) -> None:
@@ -203,18 +209,27 @@ class Admission:
         self.done = True
 
     async def prepare_then_admit(self, submission: Submission, admit: Admit) -> None:
-        """Compile the constraint and tokenise the prompt, each in a worker thread, then admit."""
-        prompt = submission.prompt
-        try:
-            matcher = await compiled(self.grammars, submission.sampling.constraint, self.config)
-            if needs_tokenizer(prompt):
-                tokenize = partial(self.prompts.tokenize, prompt)
-                token_ids = await trio.to_thread.run_sync(tokenize, limiter=self.tokenizers)
-            else:
-                token_ids = self.prompts.tokenize(prompt)
-        except Exception as exc:  # invalid, or a tokenizer failure
-            if self.handled(submission):
-                self.refuse(submission, exc)
+        """Compile the constraint and tokenise the prompt, each in a worker thread, then admit
+        (unless it was aborted meanwhile: its wait is cancelled, and it is dropped)."""
+        prompt, tenancy = submission.prompt, submission.tenancy
+        constraint, salt = submission.sampling.constraint, submission.cache_salt
+        with trio.CancelScope() as scope:
+            self.preparing[submission.request_id] = scope
+            try:
+                matcher = await self.compiler.matcher(constraint, tenancy.tenant, salt)
+                if needs_tokenizer(prompt):
+                    tokenize = partial(self.prompts.tokenize, prompt)
+                    token_ids = await trio.to_thread.run_sync(tokenize, limiter=self.tokenizers)
+                else:
+                    token_ids = self.prompts.tokenize(prompt)
+            except Exception as exc:  # invalid, overloaded, or a tokenizer failure
+                if self.handled(submission):
+                    self.refuse(submission, exc)
+                return
+            finally:
+                del self.preparing[submission.request_id]
+        if scope.cancelled_caught:
+            self.handled(submission)  # aborted: dropped
             return
         self.admit_tokens(submission, lambda: token_ids, admit, matcher)
 

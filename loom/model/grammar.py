@@ -1,11 +1,13 @@
 """Constraints compiled with llguidance, and the token masks of a step's constrained rows.
 
-    Constraint ── Grammars.compile (admission, a worker thread, under a time limit)
-        │          checked: size, then llguidance's own parse of the schema, regex or grammar;
-        │          compiled once per content (a bounded LRU cache), copied for each request
+    Constraint ── Grammars.compile (a compile thread: loom/engine/compiling.py schedules it,
+        │          shares it and keeps it, per tenant, under a time limit)
+        │          checked: size, then llguidance's own parse of the schema, regex or grammar,
+        │          and its first mask, on a copy
         ▼
-    GrammarMatcher on the request ── Grammars.fill (a thread of its own, while the forward
-        │                             pass runs): one bitmask row per constrained row
+    GrammarMatcher on the request (`Grammars.copy` of the compiled template)
+        │  ── Grammars.fill (a thread of its own, while the forward pass runs): one bitmask
+        │                   row per constrained row
         ▼
     apply_masks (the sampler): disallowed tokens' logits to -inf, before greedy or sampling
                                (the fill thread makes the bias to add; the sampler adds it)
@@ -20,10 +22,8 @@ from __future__ import annotations
 
 import functools
 import json
-import math
 import threading
 import time
-from collections import Counter, OrderedDict
 from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
@@ -65,7 +65,7 @@ class GrammarMatcher:
 
 
 class Grammars:
-    """The model's tokenizer as llguidance sees it, and the constraints compiled for it."""
+    """The model's tokenizer as llguidance sees it, and the threads that compile for it."""
 
     def __init__(
         self,
@@ -78,21 +78,17 @@ class Grammars:
         self.vocab_size = vocab_size
         self.eos_token_ids = list(eos_token_ids)
         self.config = config
-        self.lock = threading.Lock()  # compiles run in worker threads
+        self.lock = threading.Lock()  # the tokenizer is made on whichever thread comes first
         self.ll_tokenizer: llguidance.LLTokenizer | None = None
-        self.compiled: OrderedDict[Constraint, llguidance.LLMatcher] = OrderedDict()
-        # Constraints whose compile outlasted its time limit: refused at once when they return.
-        self.too_slow: OrderedDict[Constraint, None] = OrderedDict()
-        # Compiles waited for, by constraint (the trio thread counts): distinct ones are capped.
-        self.pending: Counter[Constraint] = Counter()
         self.limits = llguidance.LLParserLimits(verbose_errors=False)
 
     # Compiles and masks run on threads of their own, with deep stacks, started on first use
-    # (by the trio thread): two compiling (one past its time limit is abandoned, and keeps its
-    # thread until llguidance's own limits end it), one filling a step's masks.
+    # (by the trio thread): twice compile_threads compiling (a compile past its time limit is
+    # abandoned, and keeps its thread until llguidance's own limits end it: the second half
+    # is room for those), one filling a step's masks.
     @functools.cached_property
     def compiling(self) -> ThreadPoolExecutor:
-        return deep_stack_threads(2, "loom-compile")
+        return deep_stack_threads(2 * self.config.compile_threads, "loom-compile")
 
     @functools.cached_property
     def masking(self) -> ThreadPoolExecutor:
@@ -118,30 +114,22 @@ class Grammars:
                 self.ll_tokenizer = llguidance.hf.from_tokenizer(self.tokenizer, n_vocab, eos)
             return self.ll_tokenizer
 
-    def compile(self, constraint: Constraint, deadline: float = math.inf) -> GrammarMatcher:
-        """A fresh matcher for `constraint`, compiled or from the cache; InvalidRequestError
-        naming what is wrong with it. The first mask is computed here too, on a copy: a
-        grammar that fails there, or whose lexer takes longer than constraint_mask_timeout
-        to build it (a copy does not share the lexer, so each request's first step would
-        take as long), is refused now, never cached, never in a step. One that finishes
-        past `deadline` (its caller gave up) is remembered as too slow, not cached."""
+    def compile(self, constraint: Constraint) -> llguidance.LLMatcher:
+        """The constraint compiled: a template each request takes a copy of (`copy`), or
+        InvalidRequestError naming what is wrong with it. The first mask is computed here
+        too, on a copy: a grammar that fails there, or whose lexer takes longer than
+        constraint_mask_timeout to build it (a copy does not share the lexer, so each
+        request's first step would take as long), is refused now, never in a step."""
         self.check(constraint)
-        with self.lock:
-            if constraint in self.too_slow:  # a copy queued behind the one that timed out
-                raise InvalidRequestError(f"{constraint.kind.value} compiled too slowly before")
-            template = self.compiled.get(constraint)
-            if template is not None:
-                self.compiled.move_to_end(constraint)
-                return GrammarMatcher(template.deep_copy())
         template = llguidance.LLMatcher(
             self.prepare(), grammar_of(constraint), log_level=0, limits=self.limits
         )
-        first = GrammarMatcher(template.deep_copy())
+        first = template.deep_copy()
         started = time.monotonic()
         if not template.is_error():
-            first.matcher.compute_bitmask()
+            first.compute_bitmask()
         took = time.monotonic() - started
-        message = (template.get_error() or first.matcher.get_error())[:MAX_ERROR_CHARS]
+        message = (template.get_error() or first.get_error())[:MAX_ERROR_CHARS]
         if message:
             raise InvalidRequestError(f"{constraint.kind.value} is not valid: {message}")
         if took > self.config.constraint_mask_timeout:  # each copy would take as long
@@ -149,16 +137,12 @@ class Grammars:
                 f"{constraint.kind.value}'s first token mask took {took:.2f}s; the limit is "
                 f"constraint_mask_timeout={self.config.constraint_mask_timeout}s"
             )
-        with self.lock:
-            if time.monotonic() > deadline:
-                self.too_slow[constraint] = None
-                while len(self.too_slow) > self.config.constraint_cache_size:
-                    self.too_slow.popitem(last=False)
-                raise InvalidRequestError(f"{constraint.kind.value} compiled too late")
-            self.compiled[constraint] = template
-            while len(self.compiled) > self.config.constraint_cache_size:
-                self.compiled.popitem(last=False)
-        return first
+        return template
+
+    @staticmethod
+    def copy(template: llguidance.LLMatcher) -> GrammarMatcher:
+        """A request's own matcher, from a compiled template."""
+        return GrammarMatcher(template.deep_copy())
 
     def fill(self, matchers: Sequence[GrammarMatcher]) -> torch.Tensor:
         """What each matcher allows next, as the logits' bias [len(matchers), vocab]

@@ -1,4 +1,5 @@
-"""Engine errors and early ends as gRPC statuses: the one place they are mapped (DESIGN.md §6)."""
+"""Engine errors and early ends as gRPC statuses: the one place they are mapped (the table:
+docs/architecture.md, "Invariants")."""
 
 from __future__ import annotations
 

@@ -18,7 +18,7 @@ import trio
 
 from loom.core.config import CacheConfig, ConstraintConfig, SchedulerConfig
 from loom.core.constraint import Constraint, ConstraintKind
-from loom.core.errors import EngineOverloadedError, InvalidRequestError
+from loom.core.errors import InvalidRequestError
 from loom.core.request_output import FinishReason, RequestOutput
 from loom.core.sampling_params import SamplingParams
 from loom.model.loader import LoadedModel
@@ -312,10 +312,11 @@ async def test_constraints_a_slow_compile_is_refused_while_others_are_served(
             assert len(tokens_of(free)) == 3
             # The abandoned compile runs to its end, is not cached, and is remembered: asked
             # again, the schema is refused at once.
-            grammars = engine.core.admission.grammars  # type: ignore[union-attr]
-            while slow not in grammars.too_slow:  # noqa: ASYNC110
+            compiler = engine.core.admission.compiler  # type: ignore[union-attr]
+            while compiler.running:  # noqa: ASYNC110 (it holds its thread to its end)
                 await trio.sleep(0.01)
-            assert slow not in grammars.compiled
+            assert list(compiler.too_slow) == [("", "", slow)]
+            assert not compiler.cache
             with pytest.raises(InvalidRequestError, match="did not compile within"):
                 await collect(engine, [1, 2, 3], sampling(slow, 0))
 
@@ -332,47 +333,17 @@ async def test_constraints_a_request_abandoned_while_it_compiles_is_never_admitt
     )
     with trio.fail_after(120):
         async with serving(model, constraints=roomy) as engine:
-            grammars = engine.core.admission.grammars  # type: ignore[union-attr]
+            compiler = engine.core.admission.compiler  # type: ignore[union-attr]
             async with engine.generate([1, 2, 3], sampling(slow, 0)):
-                while not grammars.pending:  # noqa: ASYNC110 (the compile has begun)
+                while not compiler.running:  # noqa: ASYNC110 (the compile has begun)
                     await trio.sleep(0.001)
-            # gone while it compiles
-            while grammars.pending or slow not in grammars.compiled:  # noqa: ASYNC110
+            # gone while it compiles: the compile runs on, and is kept for the next request
+            while compiler.running or not compiler.cache:  # noqa: ASYNC110
                 await trio.sleep(0.01)
             stats = engine.stats()
             assert stats.num_running + stats.num_waiting == 0
             assert_idle(engine)
             assert engine.core.scheduler.num_generated_tokens == 0  # type: ignore[union-attr]
-
-
-async def test_constraints_past_the_compiling_limit_are_refused_as_overload(
-    model: LoadedModel,
-) -> None:
-    """Nine distinct slow schemas at once: eight compile (two at a time), the ninth is refused
-    RESOURCE_EXHAUSTED at once rather than queued behind them."""
-    roomy = ConstraintConfig(
-        constraint_compile_timeout=60, constraint_mask_timeout=60, max_constraint_bytes=1 << 20
-    )
-    outcomes: list[str] = []
-
-    async def one(k: int) -> None:
-        props = {f"q{k}_{i}": {"type": "integer"} for i in range(1500)}
-        slow = Constraint(kind=ConstraintKind.JSON_SCHEMA, spec=json.dumps({"properties": props}))
-        try:
-            await collect(engine, [1, 2, 3], sampling(slow, 0, max_tokens=1))
-            outcomes.append("served")
-        except EngineOverloadedError as exc:
-            outcomes.append(str(exc))
-
-    with trio.fail_after(120):
-        async with serving(model, constraints=roomy) as engine, trio.open_nursery() as nursery:
-            for k in range(9):
-                nursery.start_soon(one, k)
-    refusal = (
-        "8 constraints are compiling; the limit is 8 (a compile past its time limit runs to "
-        "its end)"
-    )
-    assert sorted(outcomes) == sorted(["served"] * 8 + [refusal])
 
 
 def test_constraints_are_refused_with_what_would_end_an_output_elsewhere() -> None:
@@ -406,5 +377,5 @@ async def test_constraints_whose_first_mask_fails_are_refused_at_admission(
                 with pytest.raises(InvalidRequestError, match=why):
                     await collect(engine, [1, 2, 3], sampling(constraint, 0))
             free = await collect(engine, [4, 5], SamplingParams(temperature=0, max_tokens=2))
-            assert engine.core.admission.grammars  # type: ignore[union-attr].compiled == {}
+            assert not engine.core.admission.compiler.cache  # type: ignore[union-attr]
     assert len(tokens_of(free)) == 2

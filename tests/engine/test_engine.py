@@ -434,7 +434,7 @@ async def test_engine_deadline_passing_mid_decode(idle_jump_clock: trio.abc.Cloc
 
 async def test_engine_deadline_passing_during_the_final_step_is_not_a_normal_finish() -> None:
     """The last step starts before the deadline and ends after it: the client gets DEADLINE
-    (DESIGN.md §3.5), and the token of that step is dropped."""
+    (an abort wins over the normal finish), and the token of that step is dropped."""
     deadline_wall: list[float] = []  # trio's clock is perf_counter's, moved: both, same instant
 
     def slow_final_step(output: SchedulerOutput) -> None:

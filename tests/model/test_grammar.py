@@ -1,5 +1,6 @@
-"""Compiling constraints (loom/model/grammar.py): the cache by content and its bound, the masks
-of a step, and hostile grammars that once killed the process.
+"""Compiling constraints (loom/model/grammar.py): templates and their copies, the masks of a
+step, and hostile grammars that once killed the process (the cache and the queue:
+tests/engine/test_compiling.py).
 
 Rules: SmolLM2's real tokenizer; a grammar that may crash runs in a process of its own.
 """
@@ -22,21 +23,22 @@ def regex(spec: str) -> Constraint:
     return Constraint(kind=ConstraintKind.REGEX, spec=spec)
 
 
-def test_grammar_compiles_once_per_content_in_a_bounded_cache(smollm2_tokenizer: Any) -> None:
-    grammars = Grammars(smollm2_tokenizer, 49152, [2], ConstraintConfig(constraint_cache_size=2))
-    first = grammars.compile(regex("[0-9]+"))
-    template = grammars.compiled[regex("[0-9]+")]
-    second = grammars.compile(regex("[0-9]+"))
-    assert grammars.compiled[regex("[0-9]+")] is template  # not compiled again
+def test_grammar_copies_of_a_compiled_template_each_hold_their_own_state(
+    smollm2_tokenizer: Any,
+) -> None:
+    grammars = Grammars(smollm2_tokenizer, 49152, [2], ConstraintConfig())
+    template = grammars.compile(regex("[0-9]+"))
+    first, second = grammars.copy(template), grammars.copy(template)
     assert first.matcher is not second.matcher  # each request its own state
-    grammars.compile(regex("a+"))
-    grammars.compile(regex("b+"))  # the least recently used goes
-    assert list(grammars.compiled) == [regex("a+"), regex("b+")]
+    first.consume(smollm2_tokenizer.encode("7")[0])
+    assert first.matcher.get_error() == ""
+    assert grammars.fill([first, second]).shape == (2, 49152)
 
 
 def test_grammar_masks_allow_what_the_grammar_allows(smollm2_tokenizer: Any) -> None:
     grammars = Grammars(smollm2_tokenizer, 49152, [2], ConstraintConfig())
-    digits, letters = grammars.compile(regex("[0-9]{2}")), grammars.compile(regex("[a-z]{2}"))
+    digits = grammars.copy(grammars.compile(regex("[0-9]{2}")))
+    letters = grammars.copy(grammars.compile(regex("[a-z]{2}")))
     bias = grammars.fill([digits, letters])
     logits = apply_masks(torch.zeros(3, 49152), [0, 2], bias)
     allowed = [torch.isfinite(row).nonzero()[:, 0].tolist() for row in logits]
@@ -69,8 +71,8 @@ deep = Constraint(kind=ConstraintKind.GRAMMAR, spec="\\n".join(rules) + "\\n")
 grammars = Grammars(tokenizer, 49152, [2], ConstraintConfig())
 tokens = grammars.prepare()
 if sys.argv[1] == "loom":
-    matcher = grammars.compiling.submit(grammars.compile, deep).result()
-    print("compiled", deep.size, "bytes, error:", repr(matcher.error()))
+    template = grammars.compiling.submit(grammars.compile, deep).result()
+    print("compiled", deep.size, "bytes, error:", repr(template.get_error()))
 else:  # a thread with the usual stack, as the compile ran before
     thread = threading.Thread(target=llguidance.LLMatcher, args=(tokens, grammar_of(deep)))
     thread.start()

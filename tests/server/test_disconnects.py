@@ -1,4 +1,4 @@
-"""Every end of a client aborts its request at once (DESIGN.md §3, invariant 1): client
+"""Every end of a client aborts its request at once (docs/architecture.md, invariant 1): client
 processes SIGKILLed at random points of their streams, hundreds of times, and within 2 s of the
 last kill the engine has nothing running and every block free. Not eventually: a request left
 behind would run its 2,000 tokens (20 s of 10 ms steps).

@@ -1,5 +1,5 @@
-"""One client can never reach another (DESIGN.md §3, invariants 8 and 9): a real server, real
-grpclib clients, each scenario one that a hostile or careless client was seen to play.
+"""One client can never reach another (docs/architecture.md, invariants 8 and 9): a real server,
+real grpclib clients, each scenario one that a hostile or careless client was seen to play.
 
 Rules: port 0; every test under `fail_after`; clients on their own asyncio loops in worker
 threads. Where a scenario needs a thread to stand still, the test blocks it on purpose.
