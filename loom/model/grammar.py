@@ -20,8 +20,10 @@ the request then ends with the error (`Request.stop_status`). Why llguidance: th
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import json
+import os
 import threading
 import time
 from collections.abc import Sequence
@@ -44,6 +46,7 @@ MAX_ERROR_CHARS = 500  # of llguidance's message, in a refusal
 # max_constraint_bytes needs (tests/model/test_grammar.py builds them); it is address space,
 # touched only as deep as a grammar goes.
 GRAMMAR_STACK_BYTES = 1 << 30
+COMPILE_NICE = 19
 JSON_OPTIONS: Any = {"whitespace_flexible": False}
 
 
@@ -85,10 +88,12 @@ class Grammars:
     # Compiles and masks run on threads of their own, with deep stacks, started on first use
     # (by the trio thread): twice compile_threads compiling (a compile past its time limit is
     # abandoned, and keeps its thread until llguidance's own limits end it: the second half
-    # is room for those), one filling a step's masks.
+    # is room for those), one filling a step's masks. The compiles, work a client sets, run at
+    # the lowest priority, with the thread that serves both fronts: at the default they took
+    # both cores of two from it while they ran, refusals and other requests waiting on it.
     @functools.cached_property
     def compiling(self) -> ThreadPoolExecutor:
-        return deep_stack_threads(2 * self.config.compile_threads, "loom-compile")
+        return deep_stack_threads(2 * self.config.compile_threads, "loom-compile", COMPILE_NICE)
 
     @functools.cached_property
     def masking(self) -> ThreadPoolExecutor:
@@ -158,15 +163,22 @@ class Grammars:
         return bias_of(mask, self.vocab_size)
 
 
-def deep_stack_threads(count: int, name: str) -> ThreadPoolExecutor:
+def deep_stack_threads(count: int, name: str, nice: int = 0) -> ThreadPoolExecutor:
     """An executor whose `count` threads are started now, each with a GRAMMAR_STACK_BYTES
-    stack (a thread's stack size is fixed as it starts: each blocks until all have started)."""
+    stack (a thread's stack size is fixed as it starts: each blocks until all have started)
+    and at `nice` (Linux: a thread's own priority)."""
     executor = ThreadPoolExecutor(max_workers=count, thread_name_prefix=name)
     started = threading.Barrier(count + 1)
+
+    def start() -> None:
+        with contextlib.suppress(OSError, AttributeError):  # not every platform has it
+            os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), nice)
+        started.wait()
+
     previous = threading.stack_size(GRAMMAR_STACK_BYTES)
     try:
         for _ in range(count):  # none is idle yet, so each submit starts a thread
-            executor.submit(started.wait)
+            executor.submit(start)
         started.wait()
     finally:
         threading.stack_size(previous)

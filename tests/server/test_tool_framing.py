@@ -10,6 +10,7 @@ from typing import Any
 import pytest
 
 from loom.core.request_output import FinishReason, RequestOutput, Usage
+from loom.server.openai.json_body import render
 from loom.server.openai.requests import chat_ask
 from loom.server.openai.tokens import TokenTexts
 from loom.server.openai.tool_framing import ToolFraming
@@ -33,7 +34,7 @@ def framed(choice: Any, text: str, finish: FinishReason, stream: bool) -> dict[s
     last = RequestOutput(request_id="r", text=text[half:], finish_reason=finish, usage=usage)
     sent.append(framing.final(0, [last], done=True))
     if not stream:
-        (message,) = [json.loads(s) for s in sent if s is not None]
+        (message,) = [json.loads(render(s.value)) for s in sent if s is not None]
         (item,) = message["choices"]
         return {**item["message"], "finish_reason": item["finish_reason"]}
     content, calls, reason = "", {}, None

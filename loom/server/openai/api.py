@@ -15,6 +15,7 @@ from __future__ import annotations
 import asyncio
 import importlib.metadata
 from collections.abc import Awaitable, Callable
+from functools import partial
 from typing import Any
 
 from aiohttp import web
@@ -89,8 +90,13 @@ class OpenAIApi:
                 request_id = exchange.request_id()
                 exchange.headers["X-Request-Id"] = request_id
                 tenant = self.identify(request)
-                body = await exchange.read_json(self.boundary)
-                ask = (chat_ask if chat else completion_ask)(body, self.config.max_choices)
+                max_choices = self.config.max_choices
+                if chat:
+                    reading = partial(chat_ask, max_choices=max_choices)
+                else:
+                    max_ids = self.engine.loaded_core().admission.prompts.max_model_len
+                    reading = partial(completion_ask, max_choices=max_choices, max_ids=max_ids)
+                ask = await exchange.read_json(self.boundary, reading)
                 exchange.stream = ask.stream
                 model = self.check_model(ask.model)
                 time_left = exchange.time_left()
@@ -172,8 +178,7 @@ class OpenAIApi:
     async def tokenize(self, request: web.BaseRequest) -> web.StreamResponse:
         with http_errors():
             self.identify(request)
-            body = await read_json(request, self.boundary)
-            prompt = tokenize_prompt(body)
+            prompt = await read_json(request, self.boundary, tokenize_prompt)
             core = self.engine.loaded_core()
             checker = core.admission.prompts
             checker.check_size(prompt)
@@ -186,9 +191,10 @@ class OpenAIApi:
     async def detokenize(self, request: web.BaseRequest) -> web.StreamResponse:
         with http_errors():
             self.identify(request)
-            body = await read_json(request, self.boundary)
-            tokens = int_list(body.get("tokens") if isinstance(body, dict) else None, "tokens")
             checker = self.engine.loaded_core().admission.prompts
+            tokens = await read_json(
+                request, self.boundary, partial(detokenize_tokens, limit=checker.max_model_len)
+            )
             checker.check_size(tokens)
             ids = checker.tokenize(tokens) if tokens else ()  # checked against the vocabulary
             text = checker.need_tokenizer().decode(list(ids))
@@ -213,6 +219,10 @@ def tokenize_prompt(body: Any) -> Prompt:
     if isinstance(body, dict) and isinstance(body.get("messages"), list):
         return [chat_message(m, i) for i, m in enumerate(body["messages"])]
     raise invalid("tokenize takes prompt (a string) or messages", "prompt")
+
+
+def detokenize_tokens(body: Any, limit: int) -> list[int]:
+    return int_list(body.get("tokens") if isinstance(body, dict) else None, "tokens", limit)
 
 
 def echoes(tokenizer: Any, prompts: tuple[Prompt, ...]) -> list[str]:

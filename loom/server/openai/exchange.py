@@ -11,26 +11,28 @@ connection: the client learns that nothing more is coming. A lost connection run
 What the request says: `X-Request-Id` (a label: echoed, the response's `id`, what a gRPC Abort
 names; the server makes one when absent), `X-Request-Timeout` (seconds: the request's deadline,
 queued or running; 408 when it passes), and a JSON body read whole within `request_timeout`,
-at most `max_request_bytes` (413 beyond, refused unread when its Content-Length says so).
+at most `max_request_bytes` (413 beyond, refused unread when its Content-Length says so),
+parsed off the I/O thread where it is large (loom/server/openai/json_body.py).
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
-import json
 import uuid
 from collections.abc import Callable
-from typing import Any
+from typing import Any, TypeVar
 
 from aiohttp import web
 
 from loom.server.boundary.config import BoundaryConfig
 from loom.server.bridge import Count
 from loom.server.openai.errors import HttpError, invalid
+from loom.server.openai.json_body import BodyError, Whole, parse, rendered
 from loom.server.relay import Ending
 from loom.server.wire import MAX_REQUEST_ID_CHARS
 
+T = TypeVar("T")
 MAX_TIMEOUT_S = 1e6
 SSE_HEADERS = {
     "Content-Type": "text/event-stream; charset=utf-8",
@@ -92,18 +94,20 @@ class Exchange(Ending):
             )
         return seconds
 
-    async def read_json(self, boundary: BoundaryConfig) -> Any:
-        return await read_json(self.request, boundary)
+    async def read_json(self, boundary: BoundaryConfig, then: Callable[[Any], T]) -> T:
+        return await read_json(self.request, boundary, then)
 
     # The relay's calls
 
-    async def try_send(self, message: bytes) -> bool:
+    async def try_send(self, message: bytes | Whole) -> bool:
         if not self.writable():
             return False
         await self.send_message(message)  # aiohttp does not wait below the mark
         return True
 
-    async def send_message(self, message: bytes) -> None:
+    async def send_message(self, message: bytes | Whole) -> None:
+        if isinstance(message, Whole):  # a whole response: rendered off the I/O thread
+            message = await rendered(message.value)
         if self.response is None:
             self.response = self.head(len(message))
             await self.response.prepare(self.request)
@@ -147,7 +151,11 @@ class Exchange(Ending):
         return self.response
 
 
-async def read_json(request: web.BaseRequest, boundary: BoundaryConfig) -> Any:
+async def read_json(
+    request: web.BaseRequest, boundary: BoundaryConfig, then: Callable[[Any], T]
+) -> T:
+    """The body, read whole within the limits, then parsed as JSON and given to `then` (which
+    checks what it holds), off the I/O thread where it is large (json_body.parse)."""
     limit = boundary.max_request_bytes
     declared = request.content_length
     if declared is not None and declared > limit:
@@ -175,15 +183,6 @@ async def read_json(request: web.BaseRequest, boundary: BoundaryConfig) -> Any:
             code="request_timeout",
         ) from None
     try:
-        parsed = json.loads(body)
-    except (ValueError, UnicodeDecodeError) as exc:
+        return await parse(body, then)
+    except BodyError as exc:
         raise invalid(f"the body is not valid JSON: {exc}", None) from None
-    except RecursionError:
-        raise invalid("the body nests too deeply", None) from None
-    try:  # a lone surrogate (an escape such as \ud800) is JSON, but no text a tokenizer takes
-        json.dumps(parsed, ensure_ascii=False).encode()
-    except UnicodeEncodeError:
-        raise invalid("the body holds a lone surrogate: not valid Unicode text", None) from None
-    except RecursionError:
-        raise invalid("the body nests too deeply", None) from None
-    return parsed

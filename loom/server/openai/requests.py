@@ -23,7 +23,7 @@ import attrs
 
 from loom.core.fair_share import Tenancy
 from loom.core.prompt import ChatMessage, Prompt
-from loom.core.sampling_params import SamplingParams
+from loom.core.sampling_params import MAX_STOP_TOKEN_IDS, SamplingParams
 from loom.server.openai.errors import invalid
 from loom.server.openai.structured import constraint_of
 from loom.server.openai.tools import ToolUse, system_message, tool_turn, tool_use_of
@@ -105,12 +105,13 @@ def chat_ask(body: Any, max_choices: int) -> Ask:
     return ask(body, (prompt,), max_tokens, top, max_choices, echo=False, tools=tools)
 
 
-def completion_ask(body: Any, max_choices: int) -> Ask:
+def completion_ask(body: Any, max_choices: int, max_ids: int = 1 << 20) -> Ask:
+    """`max_ids`: the most token ids a prompt may hold (the context)."""
     body = json_object(body)
     echo = optional(body, "echo", bool) or False
     max_tokens = optional(body, "max_tokens", int)
     top = optional(body, "logprobs", int)
-    prompts = completion_prompts(body.get("prompt"))
+    prompts = completion_prompts(body.get("prompt"), max_ids)
     max_tokens = COMPLETION_MAX_TOKENS if "max_tokens" not in body else max_tokens
     return ask(body, prompts, max_tokens, top, max_choices, echo=echo)
 
@@ -189,7 +190,9 @@ def sampling_of(
         top_k=0 if top_k is None or top_k == -1 else top_k,  # vLLM's -1: off
         max_tokens=max_tokens,
         stop=stop_strings(body.get("stop")),
-        stop_token_ids=tuple(int_list(body.get("stop_token_ids") or [], "stop_token_ids")),
+        stop_token_ids=tuple(
+            int_list(body.get("stop_token_ids") or [], "stop_token_ids", MAX_STOP_TOKEN_IDS)
+        ),
         ignore_eos=optional(body, "ignore_eos", bool) or False,
         logprobs=logprobs,
         prompt_logprobs=prompt_logprobs,
@@ -235,7 +238,11 @@ def stop_strings(stop: Any) -> tuple[str, ...]:
     raise invalid("stop must be a string or a list of strings", "stop")
 
 
-def int_list(value: Any, field: str) -> list[int]:
+def int_list(value: Any, field: str, limit: int) -> list[int]:
+    """A list of at most `limit` integers (counted before each is looked at: a 4 MiB body
+    holds two million)."""
+    if isinstance(value, list) and len(value) > limit:
+        raise invalid(f"{field} has {len(value)} items; the limit is {limit}", field)
     if not isinstance(value, list) or not all(
         isinstance(t, int) and not isinstance(t, bool) for t in value
     ):
@@ -272,17 +279,18 @@ def chat_content(content: Any, where: str) -> str:
     raise invalid(f"{where}.content must be a string or a list of text parts", "messages")
 
 
-def completion_prompts(prompt: Any) -> tuple[Prompt, ...]:
-    """A string, a list of strings, a list of token ids, or a list of such lists."""
+def completion_prompts(prompt: Any, max_ids: int) -> tuple[Prompt, ...]:
+    """A string, a list of strings, a list of token ids, or a list of such lists (each list
+    of ids at most `max_ids` long: the context)."""
     if isinstance(prompt, str):
         return (prompt,)
     if isinstance(prompt, list) and prompt:
+        if isinstance(prompt[0], int):
+            return (int_list(prompt, "prompt", max_ids),)
         if all(isinstance(p, str) for p in prompt):
             return tuple(prompt)
-        if all(isinstance(p, int) and not isinstance(p, bool) for p in prompt):
-            return (prompt,)
         if all(isinstance(p, list) and p for p in prompt):
-            return tuple(int_list(p, "prompt") for p in prompt)
+            return tuple(int_list(p, "prompt", max_ids) for p in prompt)
     raise invalid(
         "prompt must be a string, a list of strings, a list of token ids or a list of "
         "non-empty lists of token ids",
