@@ -70,6 +70,13 @@ class SchedulerConfig:
         "priority, then arrival; priority: by priority, then arrival; fcfs: by arrival",
         choices=("fair", "priority", "fcfs"),
     )
+    step_mask_budget: float = setting(
+        0.01,
+        "seconds of token-mask building one step takes on (constrained rows' CPU time, each "
+        "as its last mask took); rows past it wait for a later step, the least served "
+        "tenant's first; one always runs",
+        check=in_range(0, 60, low_open=True),
+    )
 
 
 @attrs.frozen(kw_only=True)
@@ -91,8 +98,8 @@ class ConstraintConfig:
     )
     constraint_mask_timeout: float = setting(
         0.25,
-        "seconds a constraint's first token mask may take, tried as it compiles; beyond it "
-        "INVALID_ARGUMENT (each request's matcher computes it again in a step)",
+        "seconds a constraint's first token mask may take, built as it compiles (every "
+        "request's copy starts from it); beyond it INVALID_ARGUMENT",
         check=in_range(0, 60, low_open=True),
     )
     constraint_cache_size: int = setting(

@@ -65,6 +65,8 @@ class Constraint:
 class Matcher(Protocol):
     """A compiled constraint's state for one request: the output so far."""
 
+    mask_seconds: float  # the CPU time its last token mask took (the scheduler's mask budget)
+
     def consume(self, token_id: int) -> None:
         """Advance by a sampled token (an error state if the grammar refuses it)."""
 

@@ -3,7 +3,8 @@ request yields its slot, and how much of the waiting queue a tenant may hold.
 
 Service is counted as the Virtual Token Counter does (Sheng et al., "Fairness in Serving Large
 Language Models", OSDI 2024): each tenant's counter grows by the tokens it is served over its
-weight, a computed token counting 1 and a sampled one 1 more (VTC's w_p = 1, w_q = 2).
+weight, a computed token counting 1 and a sampled one 1 more (VTC's w_p = 1, w_q = 2); a
+constrained token counts its mask's time too, in tokens of the step it was in (`charge`).
 Recomputing a preempted request is served again, and counted again.
 
 - Admission takes the next request of the tenant with the lowest counter; within a tenant, the
@@ -62,6 +63,11 @@ SAMPLE_WEIGHT = 1.0  # VTC's w_q - w_p: a sampled token costs a computed one and
 MARGIN_PER_SLOT = 16  # eight steps of every slot decoding (2 a token): see Running slots
 
 
+def service(num_computed: int, samples: bool) -> float:
+    """What computing `num_computed` tokens, and sampling after them or not, is counted."""
+    return num_computed * PROMPT_WEIGHT + (SAMPLE_WEIGHT if samples else 0.0)
+
+
 @attrs.define
 class FairShare:
     counters: dict[str, float] = attrs.field(factory=dict)
@@ -98,8 +104,14 @@ class FairShare:
         return self.num_unfinished.keys()
 
     def served(self, tenant: str, num_computed: int, samples: bool) -> None:
-        cost = num_computed * PROMPT_WEIGHT + (SAMPLE_WEIGHT if samples else 0.0)
-        self.counters[tenant] += cost / self.weights[tenant]
+        self.charge(tenant, service(num_computed, samples))
+
+    def charge(self, tenant: str, cost: float) -> None:
+        """`cost` more weighted tokens of service (`served`, or a constrained token's mask, as
+        measured by the engine: loom/engine/engine_core.py); nothing for a tenant with
+        nothing unfinished (its counter is gone)."""
+        if tenant in self.weights:
+            self.counters[tenant] += cost / self.weights[tenant]
 
     def shares(self, total: int, tenants: Iterable[str]) -> dict[str, float]:
         """`total` split between `tenants` by weight."""

@@ -100,17 +100,18 @@ class Scheduler:
             for victim in self.fair.rebalance(self.waiting, self.running, self.config.max_num_seqs):
                 self.preempt(victim)
         num_preemptions = self.num_preemptions
+        later = self.past_mask_budget()
         for request in list(self.running):
             if budget == 0 or len(chosen) == self.config.max_num_seqs:
                 break  # (running requests resumed from a pause can outnumber the slots)
-            if request.paused or request.status is not RequestStatus.RUNNING:
-                continue  # paused, or preempted earlier in this loop
+            if request.paused or request.status is not RequestStatus.RUNNING or request in later:
+                continue  # paused, preempted earlier in this loop, or its mask waits
             num_new = min(request.num_tokens - request.num_computed_tokens, budget)
             if self.reserve(request, num_new, chosen):
                 chosen.append((request, num_new))
                 budget -= num_new
         if self.num_preemptions == num_preemptions:
-            self.admit_waiting(chosen, budget)
+            self.admit_waiting(chosen, budget, later)
         if not chosen:
             return None
         for request, num_new in chosen:
@@ -119,6 +120,35 @@ class Scheduler:
             samples = request.num_computed_tokens + num_new == request.num_tokens
             self.fair.served(request.tenant, num_new, samples)
         return SchedulerOutput(sequences=tuple(self.scheduled(r, n) for r, n in chosen))
+
+    def past_mask_budget(self) -> set[Request]:
+        """The constrained rows (decodes, and waiting requests, whose first mask may come in
+        this step) that would take this step past `step_mask_budget`, each counted at its
+        last mask's time (a waiting one's: a copy's first, as its compile measured it). The
+        least served tenant's rows go first, and within a tenant the ones with the fewest
+        tokens (a row left out is first next time); the first always goes, whatever its cost:
+        no request waits for ever, and no tenant's running rows hold the budget from
+        another's new request."""
+        running = [
+            r
+            for r in self.running
+            if r.matcher is not None
+            and not r.paused
+            and r.status is RequestStatus.RUNNING
+            and r.num_tokens - r.num_computed_tokens == 1
+        ]
+        rows = running + [r for r in self.waiting if r.matcher is not None and not r.paused]
+        counters = self.fair.counters
+        rows.sort(key=lambda r: (counters.get(r.tenant, 0.0), len(r.output_token_ids)))
+        spent, later = 0.0, set()
+        for request in rows:
+            assert request.matcher is not None
+            cost = request.matcher.mask_seconds
+            if spent and spent + cost > self.config.step_mask_budget:
+                later.add(request)
+            else:
+                spent += cost
+        return later
 
     def reserve(self, request: Request, num_new: int, chosen: list[tuple[Request, int]]) -> bool:
         """Blocks for `num_new` more tokens of a running request, preempting others (not those
@@ -153,13 +183,19 @@ class Scheduler:
         self.num_preemptions += 1
         self.waiting.appendleft(request)
 
-    def admit_waiting(self, chosen: list[tuple[Request, int]], budget: int) -> None:
+    def admit_waiting(
+        self, chosen: list[tuple[Request, int]], budget: int, later: set[Request]
+    ) -> None:
+        """Waiting requests, in admission order, while tokens, slots and blocks last; those
+        whose first mask is `later` (past the mask budget) wait for another step."""
         bm = self.block_manager
         num_active = self.num_active()  # counted once: this loop may see thousands waiting
         order = self.admission_order()  # ordered on the first `next`: once there is room
         while budget > 0 and num_active < self.config.max_num_seqs:
             if (request := next(order, None)) is None:
                 return
+            if request in later:
+                continue
             cached = cached_prefix(bm, request)
             num_cached = len(cached) * bm.block_size
             if request.status is RequestStatus.PREEMPTED and not self.make_room(

@@ -32,6 +32,7 @@ import trio
 from loom.core.block_manager import BlockManager
 from loom.core.errors import EngineDeadError, EngineOverloadedError
 from loom.core.expiry import expired, next_timer
+from loom.core.fair_share import service
 from loom.core.output_processor import OutputProcessor
 from loom.core.request import Request, RequestStatus
 from loom.core.request_output import FinishReason, RequestOutput
@@ -118,7 +119,8 @@ class EngineCore:
 
     async def step(self, output: SchedulerOutput) -> None:
         start = time.perf_counter()
-        matchers = self.constrained(output)
+        rows = self.constrained(output)
+        matchers = [m for _, m in rows]
         # The constrained rows' masks, on a thread of their own while the forward runs; the
         # runner's thread waits for them after the forward (and gets a fill's error).
         grammars = self.admission.grammars
@@ -130,23 +132,40 @@ class EngineCore:
             limiter=self.limiter,
             abandon_on_cancel=False,
         )
-        self.metrics.stepped(len(output.sequences), time.perf_counter() - start)
+        took = time.perf_counter() - start
+        self.metrics.stepped(len(output.sequences), took)
+        if rows:
+            self.charge_masks(output, took, rows)
         now = trio.current_time()
         for request, out in self.scheduler.update(output, result, now):
             self.publish(request, out, now)
 
-    def constrained(self, output: SchedulerOutput) -> list[GrammarMatcher]:
-        """The matchers of the step's constrained sampling rows, in the sampler's order."""
+    def charge_masks(
+        self, output: SchedulerOutput, took: float, rows: list[tuple[Request, GrammarMatcher]]
+    ) -> None:
+        """Each constrained row's tenant pays for its mask as for the service the step gave
+        in as much time: a step that served `units` (loom/core/fair_share.py) in `took`
+        seconds charges a mask of s seconds s * units / took more. Its metric: the step's
+        mask time, all rows together."""
+        units = sum(service(len(s.token_ids), s.sampling is not None) for s in output.sequences)
+        for request, matcher in rows:
+            cost = matcher.mask_seconds * units / max(took, 1e-9)
+            self.scheduler.fair.charge(request.tenant, cost)
+        self.metrics.masked(sum(m.mask_seconds for _, m in rows))
+
+    def constrained(self, output: SchedulerOutput) -> list[tuple[Request, GrammarMatcher]]:
+        """The step's constrained sampling rows and their matchers, in the sampler's order
+        (none skipped: a row dropped here would shift every later row's mask)."""
         requests = self.scheduler.requests
-        matchers = [
-            requests[seq.request_id].matcher
-            for seq in output.sequences
-            if seq.sampling is not None and seq.sampling.constrained
-        ]
-        for m in matchers:  # a row dropped here would shift every later row's mask
-            if not isinstance(m, GrammarMatcher):
-                raise TypeError(f"a constrained row's matcher is {type(m).__name__}")
-        return matchers  # type: ignore[return-value]
+        rows = []
+        for seq in output.sequences:
+            if seq.sampling is None or not seq.sampling.constrained:
+                continue
+            request = requests[seq.request_id]
+            if not isinstance(request.matcher, GrammarMatcher):
+                raise TypeError(f"a constrained row's matcher is {type(request.matcher).__name__}")
+            rows.append((request, request.matcher))
+        return rows
 
     def publish(self, request: Request, output: RequestOutput, now: float) -> None:
         """A request's new token: pushed to its stream (pausing the request when the stream is

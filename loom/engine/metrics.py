@@ -40,6 +40,7 @@ log = logging.getLogger(__name__)
 LATENCY_BUCKETS: tuple[float, ...] = (0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5)
 LATENCY_BUCKETS += (0.75, 1.0, 2.5, 5.0, 7.5, 10.0, 20.0, 40.0, 80.0, 160.0)
 TOKEN_BUCKETS = tuple(float(2**i) for i in range(15))
+MASK_BUCKETS = (0.0005, 0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1, 0.25, 0.5, 1.0)
 EARLY_ENDS = {
     RequestStatus.FINISHED_ABORTED: "cancelled",
     RequestStatus.FINISHED_DEADLINE: "deadline",
@@ -88,6 +89,12 @@ class EngineMetrics:
             buckets=LATENCY_BUCKETS,
             registry=self.registry,
         )
+        self.masks = histogram(
+            "step_mask_seconds",
+            "CPU time one step's token masks took, all its constrained rows together (steps "
+            "with none not counted); step_mask_budget bounds it",
+            MASK_BUCKETS,
+        )
         self.aborted = Counter(
             "loom:request_aborted",
             "Requests ended early or refused at admission, by cause",
@@ -127,6 +134,9 @@ class EngineMetrics:
     def stepped(self, num_seqs: int, seconds: float) -> None:
         batch = str(1 << (num_seqs - 1).bit_length())
         self.step.labels(self.model_name, batch).observe(seconds)
+
+    def masked(self, seconds: float) -> None:
+        self.masks.labels(self.model_name).observe(seconds)
 
     def ended(self, request: Request, now: float) -> None:
         name = self.model_name

@@ -30,6 +30,7 @@ from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
+import attrs
 import llguidance
 import llguidance.hf
 import numpy as np
@@ -51,11 +52,24 @@ SPLIT_ROWS = 8  # constrained rows of a step from which two threads fill their m
 JSON_OPTIONS: Any = {"whitespace_flexible": False}
 
 
-class GrammarMatcher:
-    """One request's llguidance matcher (loom.core.constraint.Matcher)."""
+@attrs.frozen
+class Template:
+    """A compiled constraint that each request takes a copy of (`Grammars.copy`), and what a
+    copy's first mask took to build, measured as it compiled: the cost the scheduler counts
+    for a copy until the copy has built one of its own."""
 
-    def __init__(self, matcher: llguidance.LLMatcher) -> None:
+    matcher: llguidance.LLMatcher
+    mask_seconds: float
+
+
+class GrammarMatcher:
+    """One request's llguidance matcher (loom.core.constraint.Matcher). `mask_seconds`: the
+    CPU time its last token mask took (Grammars.fill), what the scheduler's mask budget
+    counts and the fair share charges (loom/core/scheduler.py)."""
+
+    def __init__(self, matcher: llguidance.LLMatcher, mask_seconds: float) -> None:
         self.matcher = matcher
+        self.mask_seconds = mask_seconds
 
     def consume(self, token_id: int) -> None:
         self.matcher.consume_token(token_id)  # False: an error state, which `error` tells
@@ -120,14 +134,15 @@ class Grammars:
                 self.ll_tokenizer = llguidance.hf.from_tokenizer(self.tokenizer, n_vocab, eos)
             return self.ll_tokenizer
 
-    def compile(self, constraint: Constraint) -> llguidance.LLMatcher:
+    def compile(self, constraint: Constraint) -> Template:
         """The constraint compiled: a template each request takes a copy of (`copy`), or
         InvalidRequestError naming what is wrong with it. The first mask is computed here
         too, on the template itself, so that each copy starts with the lexer it built (74 ms
         for a schema of 3,000 properties; a copy of a template without it built its own in
         its first step, row by row, every copy of a flood stalling every tenant's tokens).
         A grammar that fails there, or whose lexer takes longer than constraint_mask_timeout
-        to build, is refused now, never in a step."""
+        to build, is refused now, never in a step. A copy's first mask is timed here too
+        (Template.mask_seconds)."""
         self.check(constraint)
         template = llguidance.LLMatcher(
             self.prepare(), grammar_of(constraint), log_level=0, limits=self.limits
@@ -144,12 +159,15 @@ class Grammars:
                 f"{constraint.kind.value}'s first token mask took {took:.2f}s; the limit is "
                 f"constraint_mask_timeout={self.config.constraint_mask_timeout}s"
             )
-        return template
+        probe = template.deep_copy()
+        started = time.thread_time()
+        probe.compute_bitmask()
+        return Template(template, time.thread_time() - started)
 
     @staticmethod
-    def copy(template: llguidance.LLMatcher) -> GrammarMatcher:
+    def copy(template: Template) -> GrammarMatcher:
         """A request's own matcher, from a compiled template."""
-        return GrammarMatcher(template.deep_copy())
+        return GrammarMatcher(template.matcher.deep_copy(), template.mask_seconds)
 
     def fill(self, matchers: Sequence[GrammarMatcher]) -> torch.Tensor:
         """What each matcher allows next, as the logits' bias [len(matchers), vocab]
@@ -170,9 +188,13 @@ class Grammars:
 
 
 def fill_rows(matchers: Sequence[GrammarMatcher], mask: torch.Tensor, words: int) -> None:
+    """Each row's mask, timed in this thread's CPU time (a wall clock would also count the
+    forward pass's threads that share the cores: a tenant pays for its own work only)."""
     for i, m in enumerate(matchers):  # one by one: llguidance's executor spins threads
         if not m.matcher.is_error():  # an error leaves the row all ones
+            started = time.thread_time()
             m.matcher.unsafe_compute_mask_ptr(mask[i].data_ptr(), words * 4)
+            m.mask_seconds = time.thread_time() - started
         if m.matcher.is_error():
             mask[i] = -1
 

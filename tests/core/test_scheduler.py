@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
+import attrs
 import pytest
 
 from loom.core.block_manager import BlockManager
 from loom.core.config import SchedulerConfig
 from loom.core.expiry import expired, next_timer
-from loom.core.request import RequestStatus
+from loom.core.fair_share import Tenancy
+from loom.core.request import Request, RequestStatus
 from loom.core.sampling_params import SamplingParams
 from loom.core.scheduler import Scheduler
 from loom.core.step import SchedulerOutput
@@ -15,7 +17,7 @@ from tests.factory import make_request, sampled
 
 
 def make_scheduler(
-    num_blocks: int = 64, block_size: int = 4, *, caching: bool = False, **config: int
+    num_blocks: int = 64, block_size: int = 4, *, caching: bool = False, **config: float
 ) -> Scheduler:
     """Without prefix caching unless asked: these prompts (1, 2, 3, ...) all share prefixes, and
     tests/core/test_prefix_cache.py is where caching's own behaviour is checked."""
@@ -252,3 +254,71 @@ def test_scheduler_output_carries_only_plain_data_for_the_worker_thread() -> Non
 @pytest.mark.parametrize("status", list(RequestStatus))
 def test_request_status_finished_is_one_comparison(status: RequestStatus) -> None:
     assert status.finished == (status.finish_reason is not None)
+
+
+@attrs.define
+class Costing:
+    """A matcher that takes every token, with what its last mask took: the figure the engine
+    measures (tests/engine/test_mask_budget.py runs real ones)."""
+
+    mask_seconds: float
+
+    def consume(self, token_id: int) -> None:
+        pass
+
+    def is_stopped(self) -> bool:
+        return False
+
+    def error(self) -> str:
+        return ""
+
+
+def constrained(request_id: str, tenant: str, mask_seconds: float) -> Request:
+    request = make_request(request_id)
+    request.tenancy, request.matcher = Tenancy(tenant=tenant), Costing(mask_seconds)
+    return request
+
+
+def test_scheduler_mask_budget_least_served_tenant_first_then_fewest_tokens() -> None:
+    """Rows of 4 ms masks under a 10 ms budget: two a step. Tenant y (one request) was served
+    least, so its row goes every step; x's four take the other place in turn, the one with
+    the fewest tokens first. The rows left out are not dropped: they run when their turn
+    comes."""
+    scheduler = make_scheduler(step_mask_budget=0.01)
+    requests = [constrained(f"x{i}", "x", 0.0) for i in range(4)] + [constrained("y", "y", 0.0)]
+    for request in requests:
+        scheduler.add_request(request)
+    assert len(shape(step(scheduler))) == 5  # prompts: masks measured as costing nothing
+    for request in requests:
+        assert request.matcher is not None
+        request.matcher.mask_seconds = 0.004
+    assert [set(shape(step(scheduler))) for _ in range(4)] == [
+        {"y", "x0"},
+        {"y", "x1"},
+        {"y", "x2"},
+        {"y", "x3"},
+    ]
+
+
+def test_scheduler_mask_budget_lets_one_row_through_whatever_it_costs() -> None:
+    scheduler = make_scheduler(step_mask_budget=0.01)
+    scheduler.add_request(constrained("a", "a", 0.0))
+    scheduler.add_request(make_request("free"))
+    step(scheduler)
+    assert scheduler.requests["a"].matcher is not None
+    scheduler.requests["a"].matcher.mask_seconds = 5.0
+    assert shape(step(scheduler)) == {"a": 1, "free": 1}
+
+
+def test_scheduler_mask_budget_holds_no_tenant_s_new_request_behind_another_s_rows() -> None:
+    """Tenant x's two running rows fill the budget; tenant y's new constrained request (y
+    arrives at x's counter, and has no tokens yet) takes its turn all the same, and one of
+    x's rows waits. A free request is never held by the budget."""
+    scheduler = make_scheduler(step_mask_budget=0.01)
+    for i in range(2):
+        scheduler.add_request(constrained(f"x{i}", "x", 0.004))
+    step(scheduler)
+    step(scheduler)
+    scheduler.add_request(constrained("y", "y", 0.004))
+    scheduler.add_request(make_request("free"))
+    assert shape(step(scheduler)) == {"x0": 1, "y": 3, "free": 3}

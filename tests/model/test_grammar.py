@@ -72,7 +72,7 @@ grammars = Grammars(tokenizer, 49152, [2], ConstraintConfig())
 tokens = grammars.prepare()
 if sys.argv[1] == "loom":
     template = grammars.compiling.submit(grammars.compile, deep).result()
-    print("compiled", deep.size, "bytes, error:", repr(template.get_error()))
+    print("compiled", deep.size, "bytes, error:", repr(template.matcher.get_error()))
 else:  # a thread with the usual stack, as the compile ran before
     thread = threading.Thread(target=llguidance.LLMatcher, args=(tokens, grammar_of(deep)))
     thread.start()
