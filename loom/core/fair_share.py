@@ -119,9 +119,16 @@ class FairShare:
         weight = sum(self.weights[t] for t in wanting)
         return {t: total * self.weights[t] / weight for t in wanting}
 
-    def admission_order(self, waiting: Iterable[Request]) -> Iterator[Request]:
-        """The unpaused waiting requests, next to admit first. Lazy: what was admitted before
-        (its service, counted as it is scheduled) orders what comes next."""
+    def admission_order(self, waiting: Iterable[Request], policy: str) -> Iterator[Request]:
+        """The unpaused waiting requests, next to admit first, by the scheduling policy: fair
+        (below), priority (then arrival), fcfs (arrival). Lazy: what was admitted before (its
+        service, counted as it is scheduled) orders what comes next."""
+        if policy != "fair":
+            ready = [r for r in waiting if not r.paused]
+            if policy == "priority":
+                ready.sort(key=lambda r: (r.tenancy.priority, r.arrival_time))
+            yield from ready
+            return
         queues: dict[str, list[Request]] = {}
         for request in waiting:
             if not request.paused:

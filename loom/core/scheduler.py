@@ -13,6 +13,7 @@ its progress forgotten (it recomputes prompt + output later) and it goes back to
 queue. Victims: paused requests first (the longest paused first), then (fair) the most served
 tenant's, the lowest priority, the latest admitted. Waiting requests are admitted only in
 steps that preempted nothing; a preempted one resumes once blocks for all its tokens are free.
+Constrained rows past the step's mask budget wait a turn (loom/core/mask_budget.py).
 
 The `scheduling_policy` orders admission: `fair` (default) shares slots and tokens by tenant
 weight (loom/core/fair_share.py); `priority`, by priority then arrival; `fcfs`, by arrival.
@@ -40,13 +41,13 @@ runs keeps that finish; the step's token for it is dropped (timers: loom/core/ex
 from __future__ import annotations
 
 from collections import Counter, deque
-from collections.abc import Iterator
 
 import attrs
 
 from loom.core.block_manager import BlockManager
 from loom.core.config import SchedulerConfig
 from loom.core.fair_share import FairShare
+from loom.core.mask_budget import past_mask_budget
 from loom.core.output_processor import OutputProcessor
 from loom.core.prefix_cache import cache_full_blocks, cached_prefix
 from loom.core.request import FINISH_REASONS, Request, RequestStatus
@@ -100,7 +101,7 @@ class Scheduler:
             for victim in self.fair.rebalance(self.waiting, self.running, self.config.max_num_seqs):
                 self.preempt(victim)
         num_preemptions = self.num_preemptions
-        later = self.past_mask_budget()
+        later = past_mask_budget(self.running, self.waiting, self.fair.counters, self.config)
         for request in list(self.running):
             if budget == 0 or len(chosen) == self.config.max_num_seqs:
                 break  # (running requests resumed from a pause can outnumber the slots)
@@ -120,35 +121,6 @@ class Scheduler:
             samples = request.num_computed_tokens + num_new == request.num_tokens
             self.fair.served(request.tenant, num_new, samples)
         return SchedulerOutput(sequences=tuple(self.scheduled(r, n) for r, n in chosen))
-
-    def past_mask_budget(self) -> set[Request]:
-        """The constrained rows (decodes, and waiting requests, whose first mask may come in
-        this step) that would take this step past `step_mask_budget`, each counted at its
-        last mask's time (a waiting one's: a copy's first, as its compile measured it). The
-        least served tenant's rows go first, and within a tenant the ones with the fewest
-        tokens (a row left out is first next time); the first always goes, whatever its cost:
-        no request waits for ever, and no tenant's running rows hold the budget from
-        another's new request."""
-        running = [
-            r
-            for r in self.running
-            if r.matcher is not None
-            and not r.paused
-            and r.status is RequestStatus.RUNNING
-            and r.num_tokens - r.num_computed_tokens == 1
-        ]
-        rows = running + [r for r in self.waiting if r.matcher is not None and not r.paused]
-        counters = self.fair.counters
-        rows.sort(key=lambda r: (counters.get(r.tenant, 0.0), len(r.output_token_ids)))
-        spent, later = 0.0, set()
-        for request in rows:
-            assert request.matcher is not None
-            cost = request.matcher.mask_seconds
-            if spent and spent + cost > self.config.step_mask_budget:
-                later.add(request)
-            else:
-                spent += cost
-        return later
 
     def reserve(self, request: Request, num_new: int, chosen: list[tuple[Request, int]]) -> bool:
         """Blocks for `num_new` more tokens of a running request, preempting others (not those
@@ -190,7 +162,8 @@ class Scheduler:
         whose first mask is `later` (past the mask budget) wait for another step."""
         bm = self.block_manager
         num_active = self.num_active()  # counted once: this loop may see thousands waiting
-        order = self.admission_order()  # ordered on the first `next`: once there is room
+        # Ordered on the first `next`: once there is room.
+        order = self.fair.admission_order(self.waiting, self.config.scheduling_policy)
         while budget > 0 and num_active < self.config.max_num_seqs:
             if (request := next(order, None)) is None:
                 return
@@ -219,16 +192,6 @@ class Scheduler:
             chosen.append((request, num_new))
             budget -= num_new
             num_active += 1
-
-    def admission_order(self) -> Iterator[Request]:
-        """Unpaused waiting requests, the next first (a paused one waits for a resume)."""
-        if self.config.scheduling_policy == "fair":
-            yield from self.fair.admission_order(self.waiting)
-            return
-        waiting = [r for r in self.waiting if not r.paused]
-        if self.config.scheduling_policy == "priority":
-            waiting.sort(key=lambda r: (r.tenancy.priority, r.arrival_time))
-        yield from waiting
 
     def make_room(self, request_id: str, num_tokens: int, cached: list[int]) -> bool:
         """Whether blocks for `num_tokens` of a waiting request (with its `cached` prefix) are
