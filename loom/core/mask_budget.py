@@ -1,48 +1,46 @@
 """Which constrained rows a step takes on: token masks are work, and a step carries at most
 `step_mask_budget` of it.
 
-Each row counts at its last mask's time (Matcher.mask_seconds, measured by the mask threads in
-their own CPU time: loom/model/grammar.py); a waiting request, whose first mask may come in
-this step, at a copy's first, as its constraint's compile measured it. The engine charges
-each row's tenant for the mask it took (loom/engine/engine_core.py), so a tenant of
-expensive masks falls behind in the order below as well as waiting for budget.
+Each row counts at its recent masks' peak (Matcher.mask_seconds: the mask threads' CPU time,
+a dearer mask at once, a cheaper one halving the figure at most: loom/model/grammar.py); a
+new request at a copy's first, as its constraint's compile measured it. The engine charges
+each row's tenant for the mask it took (loom/engine/engine_core.py), so under the fair policy
+a tenant of expensive masks falls behind in the order below as well as waiting for budget.
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Mapping
+from collections.abc import Mapping
 
 from loom.core.config import SchedulerConfig
-from loom.core.request import Request, RequestStatus
+from loom.core.request import Request
 
 
-def past_mask_budget(
-    running: Iterable[Request],
-    waiting: Iterable[Request],
-    counters: Mapping[str, float],
-    config: SchedulerConfig,
-) -> set[Request]:
-    """The constrained rows (decodes, and waiting requests) that would take this step past
-    the budget. The least served tenant's rows go first (its fair-share counter), and within
-    a tenant the ones with the fewest tokens (a row left out is first next time); the first
-    always goes, whatever its cost: no request waits for ever, and no tenant's running rows
-    hold the budget from another's new request."""
-    decodes = [
-        r
-        for r in running
-        if r.matcher is not None
-        and not r.paused
-        and r.status is RequestStatus.RUNNING
-        and r.num_tokens - r.num_computed_tokens == 1
+def within_mask_budget(
+    chosen: list[tuple[Request, int]], config: SchedulerConfig, counters: Mapping[str, float]
+) -> list[tuple[Request, int]]:
+    """The step's `chosen` rows (request, tokens), less the constrained ones that sample and
+    would take the step past `step_mask_budget`: those wait for a later step, holding what they were
+    given (their blocks; an admitted one stays admitted). Rows go in the policy's order (fair:
+    the least served tenant's first, by its fair-share `counters`; priority: the lowest number),
+    then the row longest out of a step first (Request.last_step: a row left out goes before
+    those that ran); the first always goes, whatever its cost, so a step with rows keeps one
+    and no request waits for ever."""
+
+    def order(r: Request) -> tuple[float, int]:
+        first = {"fair": counters.get(r.tenant, 0.0), "priority": r.tenancy.priority}
+        return (first.get(config.scheduling_policy, 0.0), r.last_step)
+
+    masked = [
+        r for r, n in chosen if r.matcher is not None and r.num_computed_tokens + n == r.num_tokens
     ]
-    rows = decodes + [r for r in waiting if r.matcher is not None and not r.paused]
-    rows.sort(key=lambda r: (counters.get(r.tenant, 0.0), len(r.output_token_ids)))
+    masked.sort(key=order)
     spent, later = 0.0, set()
-    for request in rows:
+    for request in masked:
         assert request.matcher is not None
         cost = request.matcher.mask_seconds
         if spent and spent + cost > config.step_mask_budget:
             later.add(request)
         else:
             spent += cost
-    return later
+    return [(r, n) for r, n in chosen if r not in later] if later else chosen

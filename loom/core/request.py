@@ -81,6 +81,7 @@ class Request:
     paused_since: float | None = None  # its consumer's buffer is full: not scheduled
     first_scheduled_time: float | None = None
     first_token_time: float | None = None
+    last_step: int = -1  # the scheduler's count of steps when it was last in one
     error: str | None = None
     cache_salt: str = ""  # in the first block's hash: different salts share no KV block
     block_hashes: list[bytes] = attrs.field(init=False, factory=list)  # of its full blocks

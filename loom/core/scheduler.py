@@ -13,7 +13,7 @@ its progress forgotten (it recomputes prompt + output later) and it goes back to
 queue. Victims: paused requests first (the longest paused first), then (fair) the most served
 tenant's, the lowest priority, the latest admitted. Waiting requests are admitted only in
 steps that preempted nothing; a preempted one resumes once blocks for all its tokens are free.
-Constrained rows past the step's mask budget wait a turn (loom/core/mask_budget.py).
+Constrained rows past the step's mask budget wait a step (loom/core/mask_budget.py).
 
 The `scheduling_policy` orders admission: `fair` (default) shares slots and tokens by tenant
 weight (loom/core/fair_share.py); `priority`, by priority then arrival; `fcfs`, by arrival.
@@ -47,7 +47,7 @@ import attrs
 from loom.core.block_manager import BlockManager
 from loom.core.config import SchedulerConfig
 from loom.core.fair_share import FairShare
-from loom.core.mask_budget import past_mask_budget
+from loom.core.mask_budget import within_mask_budget
 from loom.core.output_processor import OutputProcessor
 from loom.core.prefix_cache import cache_full_blocks, cached_prefix
 from loom.core.request import FINISH_REASONS, Request, RequestStatus
@@ -65,6 +65,7 @@ class Scheduler:
     waiting: deque[Request] = attrs.field(factory=deque)
     running: list[Request] = attrs.field(factory=list)
     num_preemptions: int = 0
+    num_steps: int = 0
     num_chunked_prefills: int = 0  # prompt chunks that left part of their prompt for later
     num_prompt_tokens: int = 0  # of the requests added, all time
     num_generated_tokens: int = 0  # sampled and kept, all time
@@ -101,21 +102,23 @@ class Scheduler:
             for victim in self.fair.rebalance(self.waiting, self.running, self.config.max_num_seqs):
                 self.preempt(victim)
         num_preemptions = self.num_preemptions
-        later = past_mask_budget(self.running, self.waiting, self.fair.counters, self.config)
         for request in list(self.running):
             if budget == 0 or len(chosen) == self.config.max_num_seqs:
                 break  # (running requests resumed from a pause can outnumber the slots)
-            if request.paused or request.status is not RequestStatus.RUNNING or request in later:
-                continue  # paused, preempted earlier in this loop, or its mask waits
+            if request.paused or request.status is not RequestStatus.RUNNING:
+                continue  # paused, or preempted earlier in this loop
             num_new = min(request.num_tokens - request.num_computed_tokens, budget)
             if self.reserve(request, num_new, chosen):
                 chosen.append((request, num_new))
                 budget -= num_new
         if self.num_preemptions == num_preemptions:
-            self.admit_waiting(chosen, budget, later)
+            self.admit_waiting(chosen, budget)
+        chosen = within_mask_budget(chosen, self.config, self.fair.counters)
         if not chosen:
             return None
+        self.num_steps += 1
         for request, num_new in chosen:
+            request.last_step = self.num_steps
             if request.first_scheduled_time is None:
                 request.first_scheduled_time = now
             samples = request.num_computed_tokens + num_new == request.num_tokens
@@ -155,11 +158,7 @@ class Scheduler:
         self.num_preemptions += 1
         self.waiting.appendleft(request)
 
-    def admit_waiting(
-        self, chosen: list[tuple[Request, int]], budget: int, later: set[Request]
-    ) -> None:
-        """Waiting requests, in admission order, while tokens, slots and blocks last; those
-        whose first mask is `later` (past the mask budget) wait for another step."""
+    def admit_waiting(self, chosen: list[tuple[Request, int]], budget: int) -> None:
         bm = self.block_manager
         num_active = self.num_active()  # counted once: this loop may see thousands waiting
         # Ordered on the first `next`: once there is room.
@@ -167,8 +166,6 @@ class Scheduler:
         while budget > 0 and num_active < self.config.max_num_seqs:
             if (request := next(order, None)) is None:
                 return
-            if request in later:
-                continue
             cached = cached_prefix(bm, request)
             num_cached = len(cached) * bm.block_size
             if request.status is RequestStatus.PREEMPTED and not self.make_room(

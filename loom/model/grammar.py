@@ -64,8 +64,8 @@ class Template:
 
 class GrammarMatcher:
     """One request's llguidance matcher (loom.core.constraint.Matcher). `mask_seconds`: the
-    CPU time its last token mask took (Grammars.fill), what the scheduler's mask budget
-    counts and the fair share charges (loom/core/scheduler.py)."""
+    CPU time its recent token masks took at their peak (`fill_rows`), what the scheduler's
+    mask budget counts and the fair share charges (loom/core/mask_budget.py)."""
 
     def __init__(self, matcher: llguidance.LLMatcher, mask_seconds: float) -> None:
         self.matcher = matcher
@@ -189,14 +189,17 @@ class Grammars:
 
 def fill_rows(matchers: Sequence[GrammarMatcher], mask: torch.Tensor, words: int) -> None:
     """Each row's mask, timed in this thread's CPU time (a wall clock would also count the
-    forward pass's threads that share the cores: a tenant pays for its own work only)."""
+    forward pass's threads that share the cores: a tenant pays for its own work only). A
+    row's figure is its recent peak: a dearer mask raises it at once, a cheaper one lowers it
+    by half at most (a grammar whose dear states come between cheap ones is counted dear)."""
     for i, m in enumerate(matchers):  # one by one: llguidance's executor spins threads
         if not m.matcher.is_error():  # an error leaves the row all ones
             started = time.thread_time()
             m.matcher.unsafe_compute_mask_ptr(mask[i].data_ptr(), words * 4)
-            m.mask_seconds = time.thread_time() - started
+            m.mask_seconds = max(time.thread_time() - started, m.mask_seconds / 2)
         if m.matcher.is_error():
             mask[i] = -1
+            m.mask_seconds = 0.0  # no mask is computed for it again
 
 
 def deep_stack_threads(count: int, name: str, nice: int = 0) -> ThreadPoolExecutor:

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import Any
+
 import attrs
 import pytest
 
@@ -17,7 +19,7 @@ from tests.factory import make_request, sampled
 
 
 def make_scheduler(
-    num_blocks: int = 64, block_size: int = 4, *, caching: bool = False, **config: float
+    num_blocks: int = 64, block_size: int = 4, *, caching: bool = False, **config: Any
 ) -> Scheduler:
     """Without prefix caching unless asked: these prompts (1, 2, 3, ...) all share prefixes, and
     tests/core/test_prefix_cache.py is where caching's own behaviour is checked."""
@@ -279,10 +281,10 @@ def constrained(request_id: str, tenant: str, mask_seconds: float) -> Request:
     return request
 
 
-def test_scheduler_mask_budget_least_served_tenant_first_then_fewest_tokens() -> None:
+def test_scheduler_mask_budget_least_served_tenant_first_then_longest_out() -> None:
     """Rows of 4 ms masks under a 10 ms budget: two a step. Tenant y (one request) was served
-    least, so its row goes every step; x's four take the other place in turn, the one with
-    the fewest tokens first. The rows left out are not dropped: they run when their turn
+    least, so its row goes every step; x's four take the other place in turn, the one
+    longest out of a step first. The rows left out are not dropped: they run when their turn
     comes."""
     scheduler = make_scheduler(step_mask_budget=0.01)
     requests = [constrained(f"x{i}", "x", 0.0) for i in range(4)] + [constrained("y", "y", 0.0)]
@@ -312,8 +314,8 @@ def test_scheduler_mask_budget_lets_one_row_through_whatever_it_costs() -> None:
 
 def test_scheduler_mask_budget_holds_no_tenant_s_new_request_behind_another_s_rows() -> None:
     """Tenant x's two running rows fill the budget; tenant y's new constrained request (y
-    arrives at x's counter, and has no tokens yet) takes its turn all the same, and one of
-    x's rows waits. A free request is never held by the budget."""
+    arrives at x's counter, and has never been in a step) takes its turn all the same, and
+    one of x's rows waits. A free request is never held by the budget."""
     scheduler = make_scheduler(step_mask_budget=0.01)
     for i in range(2):
         scheduler.add_request(constrained(f"x{i}", "x", 0.004))
@@ -322,3 +324,34 @@ def test_scheduler_mask_budget_holds_no_tenant_s_new_request_behind_another_s_ro
     scheduler.add_request(constrained("y", "y", 0.004))
     scheduler.add_request(make_request("free"))
     assert shape(step(scheduler)) == {"x0": 1, "y": 3, "free": 3}
+
+
+def test_scheduler_mask_budget_is_never_spent_on_a_row_that_cannot_run() -> None:
+    """Both slots are x's; y's request waits for one, its tenant served least. Counted
+    before the step was chosen, y's first mask took the budget and left the step empty (and
+    the engine asleep with work to do); counted over the rows chosen, one of x's goes."""
+    scheduler = make_scheduler(max_num_seqs=2, step_mask_budget=0.005)
+    for i in range(2):
+        scheduler.add_request(constrained(f"x{i}", "x", 0.0))
+    step(scheduler)
+    for request in list(scheduler.requests.values()):
+        assert request.matcher is not None
+        request.matcher.mask_seconds = 0.004
+    scheduler.add_request(constrained("y", "y", 0.004))
+    assert shape(step(scheduler)) == {"x0": 1}
+    assert shape(step(scheduler)) == {"x1": 1}
+
+
+def test_scheduler_mask_budget_follows_the_priority_policy() -> None:
+    """Under the priority policy the budget goes by priority (lower first), not by the fair
+    share's counters: the urgent row goes every step, the other one waits."""
+    scheduler = make_scheduler(step_mask_budget=0.005, scheduling_policy="priority")
+    urgent, later = constrained("urgent", "u", 0.0), constrained("later", "l", 0.0)
+    urgent.tenancy = Tenancy(tenant="u", priority=-5)
+    for request in (later, urgent):
+        scheduler.add_request(request)
+    step(scheduler)
+    for request in (later, urgent):
+        assert request.matcher is not None
+        request.matcher.mask_seconds = 0.004
+    assert [shape(step(scheduler)) for _ in range(2)] == [{"urgent": 1}, {"urgent": 1}]
