@@ -1,11 +1,12 @@
 """The drain SIGTERM starts: one object, one phase at a time, each step bounded by the drain
 deadline (`drain_timeout` after the signal).
 
-    t = 0           ANNOUNCED  health NOT_SERVING; the port closes (its listen backlog taken
-                               first); idle connections are sent a PING and a GOAWAY that lets
-                               every stream through, in one write; a proxy's busy connection
-                               gets that GOAWAY right after its last stream. Calls still
-                               arriving are served: their clients sent them before they heard.
+    t = 0           ANNOUNCED  health NOT_SERVING; the port closes (handshakes stopped, its
+                               listen backlog taken, then closed); idle connections are sent
+                               a PING and a GOAWAY that lets every stream through, in one
+                               write; a proxy's busy connection gets that GOAWAY right
+                               after its last stream. Calls still arriving are served:
+                               their clients sent them before they heard.
     t = 0.25..5 s   REFUSING   once every connection told has heard (answered the PING, or
                                closed), and `GRACE` has passed: new streams are refused
                                UNAVAILABLE, idle connections sent GOAWAY and closed.

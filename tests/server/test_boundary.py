@@ -25,6 +25,7 @@ from hpack import Encoder
 
 from loom.bench.serving import launched_process
 from loom.chaos import attacks
+from loom.server.boundary.listener import stop_handshakes
 from loom.v1.loom_grpc import LoomStub
 from tests.grpc_client import HOST, generate, greedy, run_client, token_ids
 
@@ -386,3 +387,40 @@ def test_boundary_data_on_closed_streams_and_huge_decoded_headers_are_cut_off() 
     assert report.cut_off.goaway == "ENHANCE_YOUR_CALM", report
     assert len(block) < 16 << 10
     assert listener.cut_off.goaway is not None, listener.cut_off
+
+
+def test_boundary_a_connect_racing_the_listener_s_close_is_refused_never_reset() -> None:
+    """The drain closes the port after accepting its backlog; a connect whose handshake ends
+    between the last accept and the close sits in the backlog and is reset by the kernel as
+    the socket closes, and nginx, having sent its call on it, took the reset for a failed
+    call (a 502 in CI). With the handshakes stopped first, such a connect never completes:
+    once the port is closed it is refused, which a proxy tries elsewhere. The control shows
+    the reset on a listener without it."""
+    outcomes = {}
+    for stopped in (False, True):
+        listener = socket.create_server((HOST, 0))
+        port = listener.getsockname()[1]
+        if stopped:
+            stop_handshakes(listener)
+        client = socket.socket()
+        client.settimeout(0.5)
+        try:
+            client.connect((HOST, port))
+        except TimeoutError:
+            outcomes[stopped] = ["no handshake"]
+        else:
+            outcomes[stopped] = ["connected"]
+        listener.close()
+        try:
+            if stopped:  # the client's next SYN
+                socket.create_connection((HOST, port), timeout=0.5).close()
+            else:
+                client.sendall(b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n")
+                outcomes[stopped].append(f"read {client.recv(10)!r}")
+        except OSError as exc:
+            outcomes[stopped].append(type(exc).__name__)
+        client.close()
+    assert outcomes == {
+        False: ["connected", "ConnectionResetError"],
+        True: ["no handshake", "ConnectionRefusedError"],
+    }
