@@ -39,7 +39,7 @@ import trio
 from loom.core.config import ConstraintConfig
 from loom.core.constraint import Constraint, Matcher
 from loom.core.errors import EngineOverloadedError, InvalidRequestError
-from loom.model.grammar import Grammars
+from loom.model.grammar import Grammars, Template
 
 Key = tuple[str, str, Constraint]  # tenant, cache_salt, constraint
 MAX_TURNS = 4096  # tenants whose last turn is remembered, before the idle ones are forgotten
@@ -53,7 +53,7 @@ class Compile:
     waiters: int = 0
     began: float | None = None  # trio's clock, when a thread began it
     abandoned: bool = False  # past its time limit: its result goes nowhere
-    template: Any = None
+    template: Template | None = None
     error: Exception | None = None
     started: trio.Event = attrs.Factory(trio.Event)
     done: trio.Event = attrs.Factory(trio.Event)
@@ -67,7 +67,7 @@ class Compiler:
     def __init__(self, grammars: Grammars, config: ConstraintConfig) -> None:
         self.grammars = grammars
         self.config = config
-        self.cache: OrderedDict[Key, Any] = OrderedDict()  # compiled templates
+        self.cache: OrderedDict[Key, Template] = OrderedDict()
         self.too_slow: OrderedDict[Key, None] = OrderedDict()
         self.compiles: dict[Key, Compile] = {}  # waiting for a thread, or running in time
         self.queued: dict[str, deque[Compile]] = {}  # by tenant; the first tenant's turn next
@@ -100,8 +100,8 @@ class Compiler:
             job.waiters -= 1
             if not job.waiters and job.began is None:  # every request left before it began
                 self.drop(job)
-        if job.error is not None:
-            raise job.error
+        if job.template is None:  # invalid, too slow, or a bug (its exception)
+            raise job.error or RuntimeError("a compile ended with no template and no error")
         return self.grammars.copy(job.template)
 
     def pending(self, tenant: str) -> int:
@@ -185,14 +185,14 @@ class Compiler:
             self.turns = {t: n for t, n in self.turns.items() if self.pending(t)}
         token = trio.lowlevel.current_trio_token()
 
-        def ended(future: Future[Any]) -> None:
+        def ended(future: Future[Template]) -> None:
             with contextlib.suppress(trio.RunFinishedError):  # and trio is gone
                 token.run_sync_soon(self.finished, job, future)
 
         constraint = job.key[2]
         self.grammars.compiling.submit(self.grammars.compile, constraint).add_done_callback(ended)
 
-    def finished(self, job: Compile, future: Future[Any]) -> None:
+    def finished(self, job: Compile, future: Future[Template]) -> None:
         self.running[job.tenant] -= 1
         if not self.running[job.tenant]:
             del self.running[job.tenant]

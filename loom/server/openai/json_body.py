@@ -5,10 +5,10 @@ slices that never hold the GIL long.
 thread that serves both fronts (4 MiB of numbers took 0.64 s on a loaded machine, twelve such
 bodies 6.2 s). `read` gives what `json.loads` gives, for the same text, but calls C only on
 pieces: a string, a number, a literal, or a run of at most RUN numbers in an array (token ids),
-walking the containers in Python between them. A thread running it gives up the GIL at the
-interpreter's switch interval (5 ms) like any other Python code, so the I/O thread waits at
-most that plus one piece (a string is the largest: about 2 ms a MiB, 9 ms for 4 MiB of
-escapes) while `parse` reads a large body on a thread of its own.
+walking the containers in Python between them, and offering the GIL every YIELD_S (1 ms)
+between pieces (`Pacer`), so the I/O thread waits at most that plus one piece (a string is
+the largest: about 2 ms a MiB, 9 ms for 4 MiB of escapes) while `parse` reads a large body
+on a thread of its own.
 
 It also refuses what `json.loads` takes but no request can hold: a lone surrogate (an escape
 such as \\ud800: JSON, but no text a tokenizer takes) and nesting past MAX_DEPTH.
@@ -77,19 +77,25 @@ def read(body: bytes | bytearray) -> Any:
     return value
 
 
+class Pacer:
+    """Called between two pieces of work: every YIELD_S, offers the GIL to another thread (the
+    I/O thread, waiting for it, would otherwise wait out the interpreter's switch interval,
+    5 ms, each time it takes it back)."""
+
+    def __init__(self) -> None:
+        self.since = time.perf_counter()  # the last offer of the GIL
+
+    def __call__(self) -> None:
+        if time.perf_counter() - self.since >= YIELD_S:
+            time.sleep(0)  # releases the GIL; a waiting thread takes it (~70 us)
+            self.since = time.perf_counter()
+
+
 class Reader:
     def __init__(self, text: str) -> None:
         self.text = text
         self.at = 0  # where the last value read ends
-        self.since = time.perf_counter()  # the last offer of the GIL
-
-    def piece(self) -> None:
-        """Between two pieces: every YIELD_S of reading, offer the GIL to another thread (the
-        I/O thread, waiting for it, would otherwise wait out the interpreter's switch
-        interval, 5 ms, each time it takes it back)."""
-        if time.perf_counter() - self.since >= YIELD_S:
-            time.sleep(0)  # releases the GIL; a waiting thread takes it (~70 us)
-            self.since = time.perf_counter()
+        self.piece = Pacer()
 
     def value(self, at: int, depth: int) -> Any:
         """The value at `at` (after any blanks), with `self.at` past its end."""
@@ -196,12 +202,10 @@ def render(value: Any) -> bytes:
 class Writer:
     def __init__(self, parts: list[str]) -> None:
         self.parts = parts
-        self.since = time.perf_counter()
+        self.piece = Pacer()
 
     def write(self, value: Any) -> None:
-        if time.perf_counter() - self.since >= YIELD_S:
-            time.sleep(0)  # as Reader.piece
-            self.since = time.perf_counter()
+        self.piece()
         if isinstance(value, dict):
             self.parts.append("{")
             for i, (key, item) in enumerate(value.items()):
