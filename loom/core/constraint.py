@@ -65,7 +65,7 @@ class Constraint:
 class Matcher(Protocol):
     """A compiled constraint's state for one request: the output so far."""
 
-    mask_seconds: float  # CPU time its recent token masks took, at their peak (the mask budget)
+    token_seconds: float  # CPU time its recent tokens cost its grammar, at peak (the mask budget)
 
     def consume(self, token_id: int) -> None:
         """Advance by a sampled token (an error state if the grammar refuses it)."""

@@ -1,11 +1,13 @@
 """Which constrained rows a step takes on: token masks are work, and a step carries at most
 `step_mask_budget` of it.
 
-Each row counts at its recent masks' peak (Matcher.mask_seconds: the mask threads' CPU time,
-a dearer mask at once, a cheaper one halving the figure at most: loom/model/grammar.py); a
-new request at a copy's first, as its constraint's compile measured it. The engine charges
-each row's tenant for the mask it took (loom/engine/engine_core.py), so under the fair policy
-a tenant of expensive masks falls behind in the order below as well as waiting for budget.
+Each row counts at what its recent tokens cost its grammar, at their peak
+(Matcher.token_seconds: CPU time, a token's mask and the consume of the token sampled under it,
+a dearer token at once, a cheaper one halving the figure at most: loom/model/grammar.py); a new
+request at a copy's first mask, as its constraint's compile measured it. The engine charges
+each row's tenant for what its token took (loom/engine/engine_core.py), so under the fair
+policy a tenant of expensive grammars falls behind in the order below as well as waiting for
+budget.
 """
 
 from __future__ import annotations
@@ -38,7 +40,7 @@ def within_mask_budget(
     spent, later = 0.0, set()
     for request in masked:
         assert request.matcher is not None
-        cost = request.matcher.mask_seconds
+        cost = request.matcher.token_seconds
         if spent and spent + cost > config.step_mask_budget:
             later.add(request)
         else:

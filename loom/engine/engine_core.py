@@ -134,24 +134,25 @@ class EngineCore:
         )
         took = time.perf_counter() - start
         self.metrics.stepped(len(output.sequences), took)
-        if rows:
-            self.charge_masks(output, took, rows)
         now = trio.current_time()
         for request, out in self.scheduler.update(output, result, now):
             self.publish(request, out, now)
+        if rows:  # their tokens consumed in `update`: what each cost is known
+            self.charge_masks(output, took, rows)
 
     def charge_masks(
         self, output: SchedulerOutput, took: float, rows: list[tuple[Request, GrammarMatcher]]
     ) -> None:
-        """Each constrained row's tenant pays for its mask as for the service the step gave
-        in as much time: a step that served `units` (loom/core/fair_share.py) in `took`
-        seconds charges a mask of s seconds s * units / took more. Its metric: the step's
-        mask time, all rows together."""
+        """Each constrained row's tenant pays for what its token cost the grammar (its mask
+        and its consume: GrammarMatcher.step_seconds) as for the service the step gave in as
+        much time: a step that served `units` (loom/core/fair_share.py) in `took` seconds
+        charges s seconds of grammar s * units / took more. Its metric: the step's grammar
+        time, all rows together."""
         units = sum(service(len(s.token_ids), s.sampling is not None) for s in output.sequences)
         for request, matcher in rows:
-            cost = matcher.mask_seconds * units / max(took, 1e-9)
+            cost = matcher.step_seconds * units / max(took, 1e-9)
             self.scheduler.fair.charge(request.tenant, cost)
-        self.metrics.masked(sum(m.mask_seconds for _, m in rows))
+        self.metrics.masked(sum(m.step_seconds for _, m in rows))
 
     def constrained(self, output: SchedulerOutput) -> list[tuple[Request, GrammarMatcher]]:
         """The step's constrained sampling rows and their matchers, in the sampler's order

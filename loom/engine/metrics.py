@@ -91,8 +91,9 @@ class EngineMetrics:
         )
         self.masks = histogram(
             "step_mask_seconds",
-            "CPU time one step's token masks took, all its constrained rows together (steps "
-            "with none not counted); step_mask_budget bounds it",
+            "CPU time one step's token masks took, and the consumes of the tokens sampled "
+            "under them, all its constrained rows together (steps with none not counted); "
+            "step_mask_budget bounds it",
             MASK_BUCKETS,
         )
         self.aborted = Counter(

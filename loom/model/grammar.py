@@ -9,8 +9,8 @@
         │  ── Grammars.fill (a thread of its own, while the forward pass runs): one bitmask
         │                   row per constrained row
         ▼
-    apply_masks (the sampler): disallowed tokens' logits to -inf, before greedy or sampling
-                               (the fill thread makes the bias to add; the sampler adds it)
+    StepMasks (loom/model/masks.py): the few tokens a row allows, or its logits' bias; the
+                                      sampler samples among the first, adds the second
 
 llguidance builds its lexer lazily and bounds every step by "fuel" (LLParserLimits): a
 grammar too complex for a step puts its matcher in an error state, never a step that hangs;
@@ -33,12 +33,12 @@ from typing import Any
 import attrs
 import llguidance
 import llguidance.hf
-import numpy as np
 import torch
 
 from loom.core.config import ConstraintConfig
 from loom.core.constraint import Constraint, ConstraintKind
 from loom.core.errors import InvalidRequestError
+from loom.model.masks import StepMasks, masks_of
 
 MAX_ERROR_CHARS = 500  # of llguidance's message, in a refusal
 # llguidance recurses on a grammar's depth as it builds it: a chain of a few thousand Lark
@@ -48,7 +48,10 @@ MAX_ERROR_CHARS = 500  # of llguidance's message, in a refusal
 # touched only as deep as a grammar goes.
 GRAMMAR_STACK_BYTES = 1 << 30
 COMPILE_NICE = 19
-SPLIT_ROWS = 8  # constrained rows of a step from which two threads fill their masks
+# The masks' expected CPU time (their rows' token_seconds) from which two threads fill them:
+# below it the hand-over costs more than it saves (16 rows of a 2,000-property schema: 0.07
+# ms of masks, 0.4 ms more to give half to the other thread).
+SPLIT_SECONDS = 0.002
 JSON_OPTIONS: Any = {"whitespace_flexible": False}
 
 
@@ -63,16 +66,26 @@ class Template:
 
 
 class GrammarMatcher:
-    """One request's llguidance matcher (loom.core.constraint.Matcher). `mask_seconds`: the
-    CPU time its recent token masks took at their peak (`fill_rows`), what the scheduler's
-    mask budget counts and the fair share charges (loom/core/mask_budget.py)."""
+    """One request's llguidance matcher (loom.core.constraint.Matcher). `token_seconds`: the
+    CPU time its recent tokens cost the grammar (a token's mask, `fill_rows`, and the consume
+    of the token sampled under it) at their peak, what the scheduler's mask budget counts;
+    `step_seconds`, the last step's, what the fair share charges (loom/core/mask_budget.py)."""
 
-    def __init__(self, matcher: llguidance.LLMatcher, mask_seconds: float) -> None:
+    def __init__(self, matcher: llguidance.LLMatcher, token_seconds: float) -> None:
         self.matcher = matcher
-        self.mask_seconds = mask_seconds
+        self.token_seconds = token_seconds
+        self.step_seconds = 0.0
 
     def consume(self, token_id: int) -> None:
-        self.matcher.consume_token(token_id)  # False: an error state, which `error` tells
+        """Advance by a sampled token (an error state if the grammar refuses it, which `error`
+        tells). The token's cost to the grammar is its mask and this consume, in this thread's
+        CPU time: a dearer one raises `token_seconds` at once, a cheaper one halves it at most
+        (a grammar whose dear states come between cheap ones is counted dear). The consume
+        holds the GIL, every thread of the server waiting: constraint_step_items bounds it."""
+        started = time.thread_time()
+        self.matcher.consume_token(token_id)
+        self.step_seconds += time.thread_time() - started
+        self.token_seconds = max(self.step_seconds, self.token_seconds / 2)
 
     def is_stopped(self) -> bool:
         return bool(self.matcher.is_stopped())
@@ -98,7 +111,9 @@ class Grammars:
         self.config = config
         self.lock = threading.Lock()  # the tokenizer is made on whichever thread comes first
         self.ll_tokenizer: llguidance.LLTokenizer | None = None
-        self.limits = llguidance.LLParserLimits(verbose_errors=False)
+        self.limits = llguidance.LLParserLimits(
+            verbose_errors=False, step_max_items=config.constraint_step_items
+        )
 
     # Compiles and masks run on threads of their own, with deep stacks, started on first use
     # (by the trio thread): twice compile_threads compiling (a compile past its time limit is
@@ -169,37 +184,37 @@ class Grammars:
         """A request's own matcher, from a compiled template."""
         return GrammarMatcher(template.matcher.deep_copy(), template.mask_seconds)
 
-    def fill(self, matchers: Sequence[GrammarMatcher]) -> torch.Tensor:
-        """What each matcher allows next, as the logits' bias [len(matchers), vocab]
-        (`bias_of`). A matcher in error allows every token: its request ends with the error
-        when its next token is applied (an all-zero row would leave nothing to sample). From
-        SPLIT_ROWS rows on, the second half is filled on the other mask thread at once
-        (llguidance drops the GIL as it computes a mask)."""
+    def fill(self, matchers: Sequence[GrammarMatcher]) -> StepMasks:
+        """What each matcher allows next (`masks_of`). A matcher in error allows every
+        token: its request ends with the error when its next token is applied (an all-zero
+        row would leave nothing to sample). From SPLIT_SECONDS of expected work on, the
+        second half is filled on the other mask thread at once (llguidance drops the GIL as
+        it computes a mask)."""
         words = (self.prepare().vocab_size + 31) // 32
         mask = torch.full((len(matchers), words), -1, dtype=torch.int32)
-        if len(matchers) < SPLIT_ROWS:
+        if len(matchers) < 2 or sum(m.token_seconds for m in matchers) < SPLIT_SECONDS:
             fill_rows(matchers, mask, words)
-            return bias_of(mask, self.vocab_size)
+            return masks_of(mask, self.vocab_size)
         half = len(matchers) // 2
         other = self.masking.submit(fill_rows, matchers[half:], mask[half:], words)
         fill_rows(matchers[:half], mask[:half], words)
         other.result()
-        return bias_of(mask, self.vocab_size)
+        return masks_of(mask, self.vocab_size)
 
 
 def fill_rows(matchers: Sequence[GrammarMatcher], mask: torch.Tensor, words: int) -> None:
     """Each row's mask, timed in this thread's CPU time (a wall clock would also count the
-    forward pass's threads that share the cores: a tenant pays for its own work only). A
-    row's figure is its recent peak: a dearer mask raises it at once, a cheaper one lowers it
-    by half at most (a grammar whose dear states come between cheap ones is counted dear)."""
+    forward pass's threads that share the cores: a tenant pays for its own work only), the
+    first part of its step's cost (GrammarMatcher.consume adds the second)."""
     for i, m in enumerate(matchers):  # one by one: llguidance's executor spins threads
+        m.step_seconds = 0.0
         if not m.matcher.is_error():  # an error leaves the row all ones
             started = time.thread_time()
             m.matcher.unsafe_compute_mask_ptr(mask[i].data_ptr(), words * 4)
-            m.mask_seconds = max(time.thread_time() - started, m.mask_seconds / 2)
+            m.step_seconds = time.thread_time() - started
         if m.matcher.is_error():
             mask[i] = -1
-            m.mask_seconds = 0.0  # no mask is computed for it again
+            m.token_seconds = 0.0  # no mask is computed for it again
 
 
 def deep_stack_threads(count: int, name: str, nice: int = 0) -> ThreadPoolExecutor:
@@ -241,21 +256,3 @@ def grammar_of(constraint: Constraint) -> str:
         return llguidance.LLMatcher.grammar_from_json_schema(schema, defaults=JSON_OPTIONS)
     except ValueError as exc:  # not JSON, or not an object
         raise InvalidRequestError(f"json_schema is not a JSON object: {exc}") from None
-
-
-def bias_of(bitmask: torch.Tensor, vocab_size: int) -> torch.Tensor:
-    """The float32 [rows, vocab_size] to add to logits for a bitmask: 0 where a bit is set,
-    -inf elsewhere (1 - 1/bit; a bool mask's masked_fill costs ten times as much: 13 ms for
-    64 rows of 49,152 on 2 cores, against about 1 for an add). In numpy, on one core: torch's
-    ops called from this thread would start a second OpenMP team beside the forward pass's,
-    and the two teams' spinning threads halved the step rate on 2 cores."""
-    bits = np.unpackbits(bitmask.numpy().view(np.uint8), axis=1, bitorder="little")
-    with np.errstate(divide="ignore"):
-        bias = 1.0 - 1.0 / bits[:, :vocab_size].astype(np.float32)
-    return torch.from_numpy(bias)
-
-
-def apply_masks(logits: torch.Tensor, rows: Sequence[int], bias: torch.Tensor) -> torch.Tensor:
-    """`logits` with row `rows[i]` cut to what `bias[i]` allows (Grammars.fill)."""
-    index = torch.tensor(list(rows), device=logits.device)
-    return logits.index_add(0, index, bias.to(logits.device))

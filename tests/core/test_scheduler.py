@@ -260,10 +260,10 @@ def test_request_status_finished_is_one_comparison(status: RequestStatus) -> Non
 
 @attrs.define
 class Costing:
-    """A matcher that takes every token, with what its last mask took: the figure the engine
-    measures (tests/engine/test_mask_budget.py runs real ones)."""
+    """A matcher that takes every token, with what its tokens cost its grammar: the figure the
+    engine measures (tests/engine/test_mask_budget.py runs real ones)."""
 
-    mask_seconds: float
+    token_seconds: float
 
     def consume(self, token_id: int) -> None:
         pass
@@ -275,9 +275,9 @@ class Costing:
         return ""
 
 
-def constrained(request_id: str, tenant: str, mask_seconds: float) -> Request:
+def constrained(request_id: str, tenant: str, token_seconds: float) -> Request:
     request = make_request(request_id)
-    request.tenancy, request.matcher = Tenancy(tenant=tenant), Costing(mask_seconds)
+    request.tenancy, request.matcher = Tenancy(tenant=tenant), Costing(token_seconds)
     return request
 
 
@@ -293,7 +293,7 @@ def test_scheduler_mask_budget_least_served_tenant_first_then_longest_out() -> N
     assert len(shape(step(scheduler))) == 5  # prompts: masks measured as costing nothing
     for request in requests:
         assert request.matcher is not None
-        request.matcher.mask_seconds = 0.004
+        request.matcher.token_seconds = 0.004
     assert [set(shape(step(scheduler))) for _ in range(4)] == [
         {"y", "x0"},
         {"y", "x1"},
@@ -308,7 +308,7 @@ def test_scheduler_mask_budget_lets_one_row_through_whatever_it_costs() -> None:
     scheduler.add_request(make_request("free"))
     step(scheduler)
     assert scheduler.requests["a"].matcher is not None
-    scheduler.requests["a"].matcher.mask_seconds = 5.0
+    scheduler.requests["a"].matcher.token_seconds = 5.0
     assert shape(step(scheduler)) == {"a": 1, "free": 1}
 
 
@@ -336,7 +336,7 @@ def test_scheduler_mask_budget_is_never_spent_on_a_row_that_cannot_run() -> None
     step(scheduler)
     for request in list(scheduler.requests.values()):
         assert request.matcher is not None
-        request.matcher.mask_seconds = 0.004
+        request.matcher.token_seconds = 0.004
     scheduler.add_request(constrained("y", "y", 0.004))
     assert shape(step(scheduler)) == {"x0": 1}
     assert shape(step(scheduler)) == {"x1": 1}
@@ -353,5 +353,5 @@ def test_scheduler_mask_budget_follows_the_priority_policy() -> None:
     step(scheduler)
     for request in (later, urgent):
         assert request.matcher is not None
-        request.matcher.mask_seconds = 0.004
+        request.matcher.token_seconds = 0.004
     assert [shape(step(scheduler)) for _ in range(2)] == [{"urgent": 1}, {"urgent": 1}]

@@ -327,7 +327,10 @@ async def test_constraints_a_request_abandoned_while_it_compiles_is_never_admitt
     """The client leaves while its schema compiles: the request is dropped when the compile
     returns (never scheduled, no block taken), and the compile is no longer counted."""
     props = {f"w{i}": {"type": "integer"} for i in range(1500)}
-    slow = Constraint(kind=ConstraintKind.JSON_SCHEMA, spec=json.dumps({"properties": props}))
+    slow = Constraint(
+        kind=ConstraintKind.JSON_SCHEMA,
+        spec=json.dumps({"type": "object", "properties": props, "required": sorted(props)}),
+    )
     roomy = ConstraintConfig(
         constraint_compile_timeout=60, constraint_mask_timeout=60, max_constraint_bytes=1 << 20
     )

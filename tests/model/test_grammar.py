@@ -7,16 +7,23 @@ Rules: SmolLM2's real tokenizer; a grammar that may crash runs in a process of i
 
 from __future__ import annotations
 
+import itertools
 import subprocess
 import sys
 import textwrap
+import threading
+import time
 from typing import Any
 
+import pytest
 import torch
 
 from loom.core.config import ConstraintConfig
 from loom.core.constraint import Constraint, ConstraintKind
-from loom.model.grammar import Grammars, apply_masks
+from loom.core.errors import InvalidRequestError
+from loom.model.grammar import GrammarMatcher, Grammars
+from loom.model.masks import apply_masks
+from tests.compile_timing import LARGE, LLGUIDANCE_STEP_ITEMS, schema
 
 
 def regex(spec: str) -> Constraint:
@@ -32,22 +39,79 @@ def test_grammar_copies_of_a_compiled_template_each_hold_their_own_state(
     assert first.matcher is not second.matcher  # each request its own state
     first.consume(smollm2_tokenizer.encode("7")[0])
     assert first.matcher.get_error() == ""
-    assert grammars.fill([first, second]).shape == (2, 49152)
+    assert len(grammars.fill([first, second]).allowed) == 2
 
 
 def test_grammar_masks_allow_what_the_grammar_allows(smollm2_tokenizer: Any) -> None:
+    """Two digits, two letters: few tokens each, given by their ids; anything but a newline
+    allows nearly all, given as the logits' bias, which cuts its row and no other."""
     grammars = Grammars(smollm2_tokenizer, 49152, [2], ConstraintConfig())
     digits = grammars.copy(grammars.compile(regex("[0-9]{2}")))
     letters = grammars.copy(grammars.compile(regex("[a-z]{2}")))
-    bias = grammars.fill([digits, letters])
-    logits = apply_masks(torch.zeros(3, 49152), [0, 2], bias)
-    allowed = [torch.isfinite(row).nonzero()[:, 0].tolist() for row in logits]
+    lines = grammars.copy(grammars.compile(regex("[^\\n]{1,100}")))
+    masks = grammars.fill([digits, letters, lines])
     decode = smollm2_tokenizer.decode
-    assert allowed[0]
-    assert all(decode([t]).isdigit() for t in allowed[0])
-    assert len(allowed[1]) == 49152  # the free row between them is untouched
-    assert allowed[2]
-    assert all(decode([t]).isalpha() for t in allowed[2])
+    assert masks.allowed[0] is not None
+    assert masks.allowed[1] is not None
+    assert all(decode([t]).isdigit() for t in masks.allowed[0].tolist())
+    assert all(decode([t]).isalpha() for t in masks.allowed[1].tolist())
+    assert masks.allowed[2] is None
+    logits = apply_masks(torch.zeros(2, 49152), [1], masks.bias)
+    allowed = [torch.isfinite(row).nonzero()[:, 0].tolist() for row in logits]
+    assert len(allowed[0]) == 49152  # the free row beside it is untouched
+    assert 45000 < len(allowed[1]) < 49152
+    assert not any("\n" in decode([t]) for t in allowed[1])
+
+
+def consume_timed(matcher: GrammarMatcher, token_id: int) -> tuple[float, float]:
+    """`matcher.consume(token_id)`: how long it took, and the worst gap meanwhile of a thread
+    that ticks every half millisecond."""
+    ticks: list[float] = []
+    done = threading.Event()
+
+    def tick() -> None:
+        while not done.is_set():
+            ticks.append(time.monotonic())
+            time.sleep(0.0005)
+
+    ticker = threading.Thread(target=tick)
+    ticker.start()
+    time.sleep(0.05)
+    started = time.monotonic()
+    matcher.consume(token_id)
+    ended = time.monotonic()
+    done.set()
+    ticker.join()
+    during = [t for t in ticks if started <= t <= ended]
+    return ended - started, max(b - a for a, b in itertools.pairwise([started, *during, ended]))
+
+
+def test_grammar_the_items_one_token_may_build_are_bounded(smollm2_tokenizer: Any) -> None:
+    """The "{" that opens an object of 3,000 untyped properties builds an Earley row of
+    12,007 items before llguidance's limit of 2,000 a row ends the request: 36 ms, work a
+    client sets, with the GIL held (every thread stopped: one that ticks every half
+    millisecond had its worst gap as long as the consume), growing as the square of the
+    items. Under constraint_step_items (4,000) such a schema is refused as it compiles, and
+    the largest of its kind that compiles (990 properties, 3,967 items) costs its "{" a
+    small part of that. The consume's CPU time counts as the token's cost (its mask's is
+    added by `fill`)."""
+    brace = smollm2_tokenizer.encode("{")[0]
+    free = ConstraintConfig(max_constraint_bytes=LARGE, constraint_step_items=LLGUIDANCE_STEP_ITEMS)
+    unbounded = Grammars(smollm2_tokenizer, 49152, [2], free)
+    control = unbounded.copy(unbounded.compile(schema("p", 3000)))
+    took, worst = consume_timed(control, brace)
+    assert "Current row has 12007 items" in control.error()
+    assert worst > took / 2  # the GIL held throughout
+    assert control.step_seconds > took / 2  # counted, in this thread's CPU time
+    bounded = Grammars(smollm2_tokenizer, 49152, [2], ConstraintConfig(max_constraint_bytes=LARGE))
+    with pytest.raises(InvalidRequestError, match=r"Too many items \(limit 4000"):
+        bounded.compile(schema("p", 3000))
+    largest = bounded.copy(bounded.compile(schema("p", 990)))
+    bounded_took, _ = consume_timed(largest, brace)
+    assert "Current row has 3967 items" in largest.error()
+    print(f"the consume: {took * 1e3:.1f} ms unbounded (the ticker's worst gap "
+          f"{worst * 1e3:.1f} ms), {bounded_took * 1e3:.1f} ms at the bound")  # fmt: skip
+    assert bounded_took < took / 3
 
 
 DEEP_CHAIN = """

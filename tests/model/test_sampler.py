@@ -4,10 +4,13 @@ from __future__ import annotations
 
 import math
 
+import attrs
+import numpy as np
 import torch
 
 from loom.core.sampling_params import SamplingParams
 from loom.core.step import SamplingInput
+from loom.model.masks import NARROW, masks_of
 from loom.model.sampler import Sampler
 
 CPU = torch.device("cpu")
@@ -168,3 +171,69 @@ def test_sampler_logprobs_of_the_chosen_token_and_the_top_alternatives() -> None
     third = out.logprobs[2]
     assert third is not None
     assert third.top == ()
+
+
+def bitmask(allowed: list[set[int]], vocab: int) -> torch.Tensor:
+    """llguidance's int32 bitmask for rows that allow these tokens."""
+    bits = torch.zeros(len(allowed), (vocab + 31) // 32 * 32, dtype=torch.uint8)
+    for i, tokens in enumerate(allowed):
+        bits[i, sorted(tokens)] = 1
+    packed = np.packbits(bits.numpy(), axis=1, bitorder="little")
+    return torch.from_numpy(packed.view(np.int32).copy())
+
+
+def constrained(params: SamplingParams, output: tuple[int, ...] = ()) -> SamplingInput:
+    return attrs.evolve(row(params, output), constrained=True)
+
+
+def test_sampler_a_narrow_row_samples_among_its_tokens_as_the_masked_row_would() -> None:
+    """A constrained row that allows few tokens is sampled among them alone (its logits
+    gathered); one that allows more has its bias added to the whole row. Both follow the
+    distribution the mask leaves, greedy rows take the argmax of what is allowed, and the
+    free rows beside them are untouched."""
+    vocab, rows = 8, 3000
+    probs = torch.tensor([0.05, 0.3, 0.05, 0.1, 0.2, 0.05, 0.15, 0.1])
+    allowed = {1, 4, 6}
+    expected = torch.zeros(vocab)
+    expected[sorted(allowed)] = probs[sorted(allowed)] / probs[sorted(allowed)].sum()
+    sampler = Sampler(vocab, CPU)
+    for narrow in (NARROW, 0):  # every constrained row narrow, then every one wide
+        torch.manual_seed(3)
+        inputs = [constrained(SamplingParams(temperature=1.0))] * rows
+        inputs += [row(SamplingParams(temperature=1.0))] * rows
+        inputs += [constrained(SamplingParams(temperature=0)), row(SamplingParams(temperature=0))]
+        masks = masks_of(bitmask([allowed] * (rows + 1), vocab), vocab, narrow)
+        assert (masks.allowed[0] is not None) == bool(narrow)
+        logits = torch.log(probs).repeat(len(inputs), 1)
+        out = sampler.sample(logits, inputs, lambda masks=masks: masks).token_ids
+        counts = torch.bincount(torch.tensor(out[:rows]), minlength=vocab) / rows
+        assert torch.allclose(counts, expected, atol=0.03), (narrow, counts)
+        free = torch.bincount(torch.tensor(out[rows : 2 * rows]), minlength=vocab) / rows
+        assert torch.allclose(free, probs, atol=0.03), (narrow, free)
+        assert out[-2:] == [1, 1]
+
+
+def test_sampler_a_seeded_narrow_row_draws_the_same_whatever_its_mates() -> None:
+    """A seeded constrained row draws one exponential per token it allows, from its own
+    generator: its mates' widths (the padding of the gathered rows) change nothing."""
+    vocab = 64
+    sampler = Sampler(vocab, CPU)
+    flat = [0.0] * vocab
+
+    def draw(with_mates: bool) -> list[int]:
+        tokens: list[int] = []
+        for i in range(30):
+            seeded = constrained(SamplingParams(seed=42), output=tuple(tokens))
+            batch, allowed = [seeded], [set(range(0, vocab, 3))]
+            if with_mates:
+                batch += [constrained(SamplingParams(seed=i)), constrained(SamplingParams())]
+                allowed += [set(range(i + 30)), {5}]
+            masks = masks_of(bitmask(allowed, vocab), vocab)
+            out = sampler.sample(logits_rows(*[flat] * len(batch)), batch, lambda m=masks: m)
+            tokens.append(out.token_ids[0])
+        return tokens
+
+    alone = draw(with_mates=False)
+    assert draw(with_mates=True) == alone
+    assert len(set(alone)) > 1
+    assert all(t % 3 == 0 for t in alone)

@@ -176,19 +176,20 @@ async def test_structured_tenants_a_flood_of_copies_does_not_slow_another_s_toke
 ) -> None:
     """While tenant b streams free tokens, tenant a keeps sending requests of 16 choices,
     one token each, under one schema it has compiled (each choice a copy of it), whose first
-    mask takes a copy 34 ms to build. Each copy once built it in its first step, row by row
-    (16 copies: half a second a step): b's median gap between tokens went 7.3x, and here past
-    the test's time limit. The template's first mask is built as it compiles, and every copy
-    starts with it, and the step's mask budget bounds what the rest can cost a step. b's
-    median gap beside the flood is held within 2.5x of its gap beside the same flood without
-    a schema (the floods in turns), and printed with the flood under json_object: on this
-    tiny model a step is next to no forward pass, so what a constrained request still costs
-    shows in full, and the ratio varies from run to run (1.2x to 1.7x seen; json_object 1.0x
-    to 1.15x), where a real model's forward hides it. Profiled: a constrained row costs the
-    step some 12% more than a free one (its mask, bias and add, 0.4 ms, beside 1.2 ms of
-    full-vocabulary noise for its random sample), and a's clients, each sending its next
-    request when the last returns, put more rows in a longer step: 11.7 rows a step against
-    8.4 to 9.3, which turns the 12% into some 40%."""
+    mask takes a copy 34 ms to build and whose "{" costs a copy 17 ms to consume (under
+    llguidance's own limit of items a token, which `limits` keeps for the slow schemas;
+    Loom's default refuses this one as it compiles). Each copy once built its first mask in
+    its first step, row by row (16 copies: half a second a step): b's median gap between
+    tokens went 7.3x, and here past the test's time limit. The template's first mask is built
+    as it compiles, every copy starts with it, and the step's mask budget bounds what the
+    rest can cost a step. b's median gap beside the flood is held within 1.5x of its gap
+    beside the same flood without a schema (the floods in turns), and printed with the flood
+    under json_object. On this tiny model a step is next to no forward pass, so what a
+    request costs beside it shows in full: a free row's random sample, one exponential for
+    each of 49,152 tokens (1.2 ms), is its largest cost, and a constrained row whose grammar
+    allows few tokens is sampled among those alone (loom/model/masks.py), which pays for its
+    mask and its consume. Seen here: the schema 0.85x to 1.24x, json_object 0.6x (1.2x to
+    1.7x, and 1.0x to 1.15x, when every constrained row drew over the whole vocabulary)."""
     heavy = schema("h", 2000)
     floods: dict[str, dict[str, Any]] = {
         "no schema": {"unused": json.loads(heavy.spec)},  # the same bytes, ignored
@@ -231,4 +232,4 @@ async def test_structured_tenants_a_flood_of_copies_does_not_slow_another_s_toke
                     ended.set()
     medians = {name: statistics.median(g) for name, g in gaps.items()}
     print("b's median gap:", {k: f"{v * 1e3:.1f} ms" for k, v in medians.items()})
-    assert medians["the heavy schema"] <= 2.5 * medians["no schema"]
+    assert medians["the heavy schema"] <= 1.5 * medians["no schema"]
