@@ -66,6 +66,7 @@ class Matcher(Protocol):
     """A compiled constraint's state for one request: the output so far."""
 
     token_seconds: float  # CPU time its recent tokens cost its grammar, at peak (the mask budget)
+    step_seconds: float  # and its last token's: mask and consume (what the fair share charges)
 
     def consume(self, token_id: int) -> None:
         """Advance by a sampled token (an error state if the grammar refuses it)."""

@@ -231,12 +231,14 @@ class Scheduler:
         )
 
     def update(
-        self, output: SchedulerOutput, result: ModelRunnerOutput, now: float
+        self, output: SchedulerOutput, result: ModelRunnerOutput, now: float, rate: float = 0.0
     ) -> list[tuple[Request, RequestOutput]]:
         """Apply a finished step, in one pass: each request that received a token, with its
         output, every stop already applied (EOS, stop token ids, max_tokens, and stop strings,
         which win over a token stop on the same token, as in vLLM): a delta, or the final
-        output of a request the token finished."""
+        output of a request the token finished. A constrained token's tenant is charged what
+        it cost the grammar at `rate` (service a second: loom/engine/engine_core.py), before
+        a finish that may leave the tenant without a counter to charge."""
         for seq in output.sequences:
             request = self.requests.get(seq.request_id)
             if request is not None:  # else finished while the step ran
@@ -253,6 +255,8 @@ class Scheduler:
             if request.deadline is not None and now >= request.deadline:
                 continue  # too late: dropped; `expired` finishes it as DEADLINE next
             request.take(token_id)
+            if request.matcher is not None:
+                self.fair.charge(request.tenant, request.matcher.step_seconds * rate)
             if request.first_token_time is None:
                 request.first_token_time = now
             self.num_generated_tokens += 1

@@ -119,8 +119,7 @@ class EngineCore:
 
     async def step(self, output: SchedulerOutput) -> None:
         start = time.perf_counter()
-        rows = self.constrained(output)
-        matchers = [m for _, m in rows]
+        matchers = self.constrained(output)
         # The constrained rows' masks, on a thread of their own while the forward runs; the
         # runner's thread waits for them after the forward (and gets a fill's error).
         grammars = self.admission.grammars
@@ -134,39 +133,29 @@ class EngineCore:
         )
         took = time.perf_counter() - start
         self.metrics.stepped(len(output.sequences), took)
-        now = trio.current_time()
-        for request, out in self.scheduler.update(output, result, now):
-            self.publish(request, out, now)
-        if rows:  # their tokens consumed in `update`: what each cost is known
-            self.charge_masks(output, took, rows)
-
-    def charge_masks(
-        self, output: SchedulerOutput, took: float, rows: list[tuple[Request, GrammarMatcher]]
-    ) -> None:
-        """Each constrained row's tenant pays for what its token cost the grammar (its mask
-        and its consume: GrammarMatcher.step_seconds) as for the service the step gave in as
-        much time: a step that served `units` (loom/core/fair_share.py) in `took` seconds
-        charges s seconds of grammar s * units / took more. Its metric: the step's grammar
-        time, all rows together."""
+        # Each constrained row's tenant pays for what its token cost the grammar (its mask,
+        # and its consume in `update`: Matcher.step_seconds) as for the service the step gave
+        # in as much time: a step that served `units` (loom/core/fair_share.py) in `took`
+        # seconds charges s seconds of grammar s * units / took more.
         units = sum(service(len(s.token_ids), s.sampling is not None) for s in output.sequences)
-        for request, matcher in rows:
-            cost = matcher.step_seconds * units / max(took, 1e-9)
-            self.scheduler.fair.charge(request.tenant, cost)
-        self.metrics.masked(sum(m.step_seconds for _, m in rows))
+        now = trio.current_time()
+        for request, out in self.scheduler.update(output, result, now, units / max(took, 1e-9)):
+            self.publish(request, out, now)
+        if matchers:  # the step's grammar time, all rows together
+            self.metrics.masked(sum(m.step_seconds for m in matchers))
 
-    def constrained(self, output: SchedulerOutput) -> list[tuple[Request, GrammarMatcher]]:
-        """The step's constrained sampling rows and their matchers, in the sampler's order
-        (none skipped: a row dropped here would shift every later row's mask)."""
-        requests = self.scheduler.requests
-        rows = []
+    def constrained(self, output: SchedulerOutput) -> list[GrammarMatcher]:
+        """The matchers of the step's constrained sampling rows, in the sampler's order (none
+        skipped: a row dropped here would shift every later row's mask)."""
+        matchers = []
         for seq in output.sequences:
             if seq.sampling is None or not seq.sampling.constrained:
                 continue
-            request = requests[seq.request_id]
-            if not isinstance(request.matcher, GrammarMatcher):
-                raise TypeError(f"a constrained row's matcher is {type(request.matcher).__name__}")
-            rows.append((request, request.matcher))
-        return rows
+            matcher = self.scheduler.requests[seq.request_id].matcher
+            if not isinstance(matcher, GrammarMatcher):
+                raise TypeError(f"a constrained row's matcher is {type(matcher).__name__}")
+            matchers.append(matcher)
+        return matchers
 
     def publish(self, request: Request, output: RequestOutput, now: float) -> None:
         """A request's new token: pushed to its stream (pausing the request when the stream is

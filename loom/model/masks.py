@@ -57,7 +57,7 @@ def ids_of(words: np.ndarray, vocab_size: int) -> np.ndarray:
     are not 0 unpacked (a row of few tokens has few)."""
     set_words = np.flatnonzero(words)
     bits = (words[set_words][:, None] >> SHIFTS) & 1
-    ids = (set_words[:, None] * 32 + SHIFTS)[bits.astype(bool)]
+    ids: np.ndarray = (set_words[:, None] * 32 + SHIFTS)[bits.astype(bool)]
     return ids[ids < vocab_size]
 
 

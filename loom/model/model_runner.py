@@ -73,7 +73,7 @@ class ModelRunner:
         self, output: SchedulerOutput, masks: Masks | None = None
     ) -> ModelRunnerOutput:
         """One forward for the whole step, then one sampled token per sampling sequence;
-        `masks()` (waited for after the forward) gives the constrained rows' logit biases."""
+        `masks()` (waited for after the forward) gives the constrained rows' masks."""
         sequences = output.sequences
         if not sequences:
             raise ValueError("a step needs at least one scheduled sequence")

@@ -127,22 +127,16 @@ class Sampler:
         gathered = gathered.masked_fill(padding.to(logits.device), float("-inf"))
         chosen = gathered.max(dim=-1).indices
         inputs = [rows[i] for i in narrow]
-        random = [j for j, r in enumerate(inputs) if not r.params.greedy]
+        random = [j for j, r in enumerate(inputs) if not r.params.greedy and r.params.seed is None]
         if random:
             index = torch.tensor(random, device=logits.device)
-            chosen[index] = self.sample_random(
-                gathered[index], [inputs[j] for j in random], [widths[j] for j in random]
-            )
+            chosen[index] = self.sample_random(gathered[index], [inputs[j] for j in random])
+        for j, r in enumerate(inputs):  # a seeded row at its own width: its mates' padding
+            if not r.params.greedy and r.params.seed is not None:  # moves softmax by an ulp
+                chosen[j] = self.sample_random(gathered[j : j + 1, : widths[j]], [r])[0]
         return ids.gather(1, chosen[:, None])[:, 0]
 
-    def sample_random(
-        self,
-        logits: torch.Tensor,
-        rows: Sequence[SamplingInput],
-        widths: Sequence[int] | None = None,
-    ) -> torch.Tensor:
-        """A token for each row by the exponential race; a seeded row draws `widths[i]` from
-        its generator (the tokens it samples among; the rest are padding), or its whole row."""
+    def sample_random(self, logits: torch.Tensor, rows: Sequence[SamplingInput]) -> torch.Tensor:
         logits = logits / self.column([r.params.temperature for r in rows])
         top_k = [r.params.top_k for r in rows]
         top_p = [r.params.top_p for r in rows]
@@ -159,8 +153,7 @@ class Sampler:
             if r.params.seed is not None:
                 seed = position_seed(r.params.seed, r.num_output_tokens)
                 generator = torch.Generator(device=self.device).manual_seed(seed)
-                width = widths[i] if widths is not None else exponential.shape[-1]
-                exponential[i, :width].exponential_(generator=generator)
+                exponential[i].exponential_(generator=generator)
         return (probs / exponential).max(dim=-1).indices
 
     def cut_top_k_top_p(

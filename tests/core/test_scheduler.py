@@ -264,6 +264,7 @@ class Costing:
     engine measures (tests/engine/test_mask_budget.py runs real ones)."""
 
     token_seconds: float
+    step_seconds: float = 0.0
 
     def consume(self, token_id: int) -> None:
         pass
@@ -300,6 +301,29 @@ def test_scheduler_mask_budget_least_served_tenant_first_then_longest_out() -> N
         {"y", "x2"},
         {"y", "x3"},
     ]
+
+
+def test_scheduler_charges_a_grammar_s_cost_before_the_token_ends_its_request() -> None:
+    """A one-token request of tenant y, its grammar's cost 0.01 s at 1,000 units a second:
+    y is charged 10 units before its request ends (charged after, it would have had no
+    counter left to charge, and its next request would start where y had been, with what
+    its masks cost forgotten); x, which runs on, keeps its own."""
+    scheduler = make_scheduler()
+    x = make_request("x")
+    x.tenancy = Tenancy(tenant="x")
+    scheduler.add_request(x)
+    scheduler.add_request(constrained("y", "y", 0.0))
+    scheduler.requests["y"].max_tokens = 1
+    output = scheduler.schedule(now=0.0)
+    assert output is not None
+    served = dict(scheduler.fair.counters)
+    matcher = scheduler.requests["y"].matcher
+    assert isinstance(matcher, Costing)
+    matcher.step_seconds = 0.01
+    scheduler.update(output, sampled(output), now=0.0, rate=1000.0)
+    assert "y" not in scheduler.requests
+    assert scheduler.fair.counters["y"] == pytest.approx(served["y"] + 10.0)
+    assert scheduler.fair.counters["x"] == served["x"]
 
 
 def test_scheduler_mask_budget_lets_one_row_through_whatever_it_costs() -> None:
