@@ -68,7 +68,8 @@ body = json.dumps({"prompt": [3, 4], "max_tokens": n, "temperature": 0, "ignore_
 auth = f"Authorization: Bearer {key}\\r\\n" if key else ""
 sock = socket.create_connection((host, port))
 sock.sendall((f"POST /v1/completions HTTP/1.1\\r\\nHost: {host}\\r\\n{auth}"
-              f"Content-Length: {len(body)}\\r\\n\\r\\n").encode() + body)
+              f"Content-Type: application/json\\r\\nContent-Length: {len(body)}\\r\\n\\r\\n"
+              ).encode() + body)
 seen = b""
 while b"data: {" not in seen:
     seen += sock.recv(65536)

@@ -339,7 +339,8 @@ async def test_http_a_closed_connection_aborts_its_request_at_once() -> None:
                 data = body if stream else body.replace(b'"stream": true', b'"stream": false')
                 sock = socket.create_connection((HOST, port))
                 sock.sendall(
-                    b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Length: %d"
+                    b"POST /v1/completions HTTP/1.1\r\nHost: x\r\n"
+                    b"Content-Type: application/json\r\nContent-Length: %d"
                     b"\r\n\r\n%s" % (len(data), data)
                 )
                 await until(lambda: server.engine.stats().num_running == 1, 10)
@@ -367,7 +368,8 @@ async def test_http_a_stopped_reader_is_paused_then_ended_at_the_stall_timeout()
             sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
             sock.connect((HOST, port))
             sock.sendall(
-                b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Length: %d"
+                b"POST /v1/completions HTTP/1.1\r\nHost: x\r\n"
+                b"Content-Type: application/json\r\nContent-Length: %d"
                 b"\r\n\r\n%s" % (len(body), body)
             )
             paused = await until(lambda: server.engine.stats().num_paused == 1, 20)
@@ -395,7 +397,7 @@ async def test_http_killed_client_processes_leave_nothing_running_2_s_after_the_
 
 
 def keep_alive_request(connection: http.client.HTTPConnection, body: bytes) -> None:
-    connection.request("POST", "/v1/completions", body=body)
+    connection.request("POST", "/v1/completions", body, {"Content-Type": "application/json"})
     response = connection.getresponse()
     assert response.status == 200
     response.read()
@@ -664,3 +666,42 @@ async def test_http_n_choices_refused_in_part_end_every_choice_and_free_its_bloc
     assert headers["Retry-After"] == "1"
     assert seconds < 0.5  # the choices already queued or running were aborted with the rest
     assert "length" not in finished
+
+
+def raw_post(port: int, content_type: bytes | None, body: bytes) -> bytes:
+    """A POST as a web page's script sends it to another origin (no preflight: a "simple"
+    request), with `content_type` or none: the reply's status line and body."""
+    typed = b"Content-Type: %s\r\n" % content_type if content_type is not None else b""
+    with socket.create_connection((HOST, port), timeout=30) as sock:
+        sock.sendall(
+            b"POST /v1/completions HTTP/1.1\r\nHost: 127.0.0.1\r\nOrigin: https://evil.example\r\n"
+            b"%sContent-Length: %d\r\nConnection: close\r\n\r\n%s" % (typed, len(body), body)
+        )
+        reply = b""
+        while chunk := sock.recv(65536):
+            reply += chunk
+    return reply
+
+
+async def test_http_a_body_that_does_not_say_it_is_json_is_refused_unread(
+    tiny_chat: LoadedModel,
+) -> None:
+    """A web page can have its visitor's browser POST text/plain, a form, or a body of no
+    type to any origin without a preflight: a Loom on the visitor's machine ran the JSON in
+    it (200). Each is refused with 415 naming what it must be, and the engine runs nothing;
+    JSON with a charset is served."""
+    body = json.dumps({"prompt": [3, 4], "max_tokens": 2, "temperature": 0}).encode()
+    async with serving(tiny_chat, http=HTTP) as (server, _):
+        port = server.http_port or 0
+        with trio.fail_after(60):
+            for content_type in (b"text/plain;charset=UTF-8", b"application/x-www-form-urlencoded",
+                                 b"multipart/form-data; boundary=x", None):  # fmt: skip
+                reply = await trio.to_thread.run_sync(raw_post, port, content_type, body)
+                assert reply.startswith(b"HTTP/1.1 415"), (content_type, reply[:200])
+                error = json.loads(reply.split(b"\r\n\r\n", 1)[1])["error"]
+                assert "it must be application/json" in error["message"]
+                assert error["code"] == "unsupported_media_type"
+            assert server.engine.core.scheduler.num_generated_tokens == 0  # type: ignore[union-attr]
+            typed = b"application/json; charset=utf-8"
+            reply = await trio.to_thread.run_sync(raw_post, port, typed, body)
+    assert reply.startswith(b"HTTP/1.1 200"), reply[:200]

@@ -34,6 +34,7 @@ from loom.server.wire import MAX_REQUEST_ID_CHARS
 
 T = TypeVar("T")
 MAX_TIMEOUT_S = 1e6
+JSON = "application/json"  # the one Content-Type a body may have
 SSE_HEADERS = {
     "Content-Type": "text/event-stream; charset=utf-8",
     "Cache-Control": "no-cache",
@@ -155,7 +156,19 @@ async def read_json(
     request: web.BaseRequest, boundary: BoundaryConfig, then: Callable[[Any], T]
 ) -> T:
     """The body, read whole within the limits, then parsed as JSON and given to `then` (which
-    checks what it holds), off the I/O thread where it is large (json_body.parse)."""
+    checks what it holds), off the I/O thread where it is large (json_body.parse). A body that
+    does not say it is JSON is refused unread (415): a web page may have any browser send a
+    POST of text/plain, a form or no type to another origin without asking it first (no CORS
+    preflight), so a Loom on a user's machine would run what any page they visit sends."""
+    if request.content_type != JSON:  # aiohttp's: lowercased, parameters off, absent as bytes
+        given = request.headers.get("Content-Type")
+        raise HttpError(
+            415,
+            f"the body's Content-Type is {given!r}; it must be {JSON}"
+            if given
+            else f"the body has no Content-Type; it must be {JSON}",
+            code="unsupported_media_type",
+        )
     limit = boundary.max_request_bytes
     declared = request.content_length
     if declared is not None and declared > limit:
