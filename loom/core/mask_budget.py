@@ -4,8 +4,8 @@
 Each row counts at what its recent tokens cost its grammar, at their peak
 (Matcher.token_seconds: CPU time, a token's mask and the consume of the token sampled under it,
 a dearer token at once, a cheaper one halving the figure at most: loom/model/grammar.py); a new
-request at what its constraint's compile measured a copy's first token may cost (its first
-mask, and the dearest consume of a token that mask allows). The engine charges
+request at its template's figure (its first mask as it compiled, then its copies' first
+tokens, by the same rule). The engine charges
 each row's tenant for what its token took (loom/engine/engine_core.py), so under the fair
 policy a tenant of expensive grammars falls behind in the order below as well as waiting for
 budget.

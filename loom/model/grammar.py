@@ -33,13 +33,12 @@ from typing import Any
 import attrs
 import llguidance
 import llguidance.hf
-import numpy as np
 import torch
 
 from loom.core.config import ConstraintConfig
 from loom.core.constraint import Constraint, ConstraintKind
 from loom.core.errors import InvalidRequestError
-from loom.model.masks import StepMasks, ids_of, masks_of
+from loom.model.masks import StepMasks, masks_of
 
 MAX_ERROR_CHARS = 500  # of llguidance's message, in a refusal
 # llguidance recurses on a grammar's depth as it builds it: a chain of a few thousand Lark
@@ -53,16 +52,16 @@ COMPILE_NICE = 19
 # below it the hand-over costs more than it saves (16 rows of a 2,000-property schema: 0.07
 # ms of masks, 0.4 ms more to give half to the other thread).
 SPLIT_SECONDS = 0.002
-TRIAL_TOKENS = 256  # a first mask's tokens from which their consumes are not tried as it compiles
 JSON_OPTIONS: Any = {"whitespace_flexible": False}
 
 
-@attrs.frozen
+@attrs.define
 class Template:
     """A compiled constraint that each request takes a copy of (`Grammars.copy`), and what a
-    copy's first token may cost its grammar, measured as it compiled (its first mask, and the
-    dearest consume of a token that mask allows: `dearest_first_token`): the cost the
-    scheduler counts for a copy until the copy has taken a token of its own."""
+    copy's first token costs its grammar: its first mask, measured as it compiled, then each
+    copy's first token (mask and consume) as it is taken, at their recent peak (a dearer one
+    at once, a cheaper one halving the figure at most): the cost the scheduler counts for a
+    new copy until it has taken a token of its own."""
 
     matcher: llguidance.LLMatcher
     token_seconds: float
@@ -74,21 +73,27 @@ class GrammarMatcher:
     of the token sampled under it) at their peak, what the scheduler's mask budget counts;
     `step_seconds`, the last step's, what the fair share charges (loom/core/mask_budget.py)."""
 
-    def __init__(self, matcher: llguidance.LLMatcher, token_seconds: float) -> None:
+    def __init__(self, matcher: llguidance.LLMatcher, template: Template) -> None:
         self.matcher = matcher
-        self.token_seconds = token_seconds
+        self.token_seconds = template.token_seconds
         self.step_seconds = 0.0
+        self.template: Template | None = template  # until its first token is taken
 
     def consume(self, token_id: int) -> None:
         """Advance by a sampled token (an error state if the grammar refuses it, which `error`
         tells). The token's cost to the grammar is its mask and this consume, in this thread's
         CPU time: a dearer one raises `token_seconds` at once, a cheaper one halves it at most
-        (a grammar whose dear states come between cheap ones is counted dear). The consume
-        holds the GIL, every thread of the server waiting: constraint_step_items bounds it."""
+        (a grammar whose dear states come between cheap ones is counted dear); a copy's first
+        token is its template's figure too. The consume holds the GIL, every thread of the
+        server waiting: constraint_step_items bounds it."""
         started = time.thread_time()
         self.matcher.consume_token(token_id)
         self.step_seconds += time.thread_time() - started
         self.token_seconds = max(self.step_seconds, self.token_seconds / 2)
+        if self.template is not None:
+            first = self.template
+            first.token_seconds = max(self.step_seconds, first.token_seconds / 2)
+            self.template = None
 
     def is_stopped(self) -> bool:
         return bool(self.matcher.is_stopped())
@@ -159,8 +164,8 @@ class Grammars:
         for a schema of 3,000 properties; a copy of a template without it built its own in
         its first step, row by row, every copy of a flood stalling every tenant's tokens).
         A grammar that fails there, or whose lexer takes longer than constraint_mask_timeout
-        to build, is refused now, never in a step. What a copy's first token costs is
-        measured here too (Template.token_seconds)."""
+        to build, is refused now, never in a step. A copy's first mask is timed here too:
+        Template.token_seconds, which its copies' first tokens then raise or lower."""
         self.check(constraint)
         template = llguidance.LLMatcher(
             self.prepare(), grammar_of(constraint), log_level=0, limits=self.limits
@@ -179,14 +184,13 @@ class Grammars:
             )
         probe = template.deep_copy()
         started = time.thread_time()
-        first = probe.compute_bitmask()
-        took = time.thread_time() - started
-        return Template(template, took + dearest_first_token(template, first, self.vocab_size))
+        probe.compute_bitmask()
+        return Template(template, time.thread_time() - started)
 
     @staticmethod
     def copy(template: Template) -> GrammarMatcher:
         """A request's own matcher, from a compiled template."""
-        return GrammarMatcher(template.matcher.deep_copy(), template.token_seconds)
+        return GrammarMatcher(template.matcher.deep_copy(), template)
 
     def fill(self, matchers: Sequence[GrammarMatcher]) -> StepMasks:
         """What each matcher allows next (`masks_of`). A matcher in error allows every
@@ -204,21 +208,6 @@ class Grammars:
         fill_rows(matchers[:half], mask[:half], words)
         other.result()
         return masks_of(mask, self.vocab_size)
-
-
-def dearest_first_token(template: llguidance.LLMatcher, mask: bytes, vocab_size: int) -> float:
-    """The CPU time of the dearest first consume a copy may make: each token its first `mask`
-    allows, consumed by a copy of its own, when they are at most TRIAL_TOKENS (a JSON object's
-    opening: a handful; a "{" that builds 3,967 Earley items costs 6 ms, a mask 0.02); 0 for a
-    wider mask, whose copies learn their cost from their own tokens."""
-    allowed = ids_of(np.frombuffer(mask, dtype=np.uint32), vocab_size)
-    dearest = 0.0
-    for token in allowed.tolist() if len(allowed) <= TRIAL_TOKENS else ():
-        trial = template.deep_copy()
-        started = time.thread_time()
-        trial.consume_token(token)
-        dearest = max(dearest, time.thread_time() - started)
-    return dearest
 
 
 def fill_rows(matchers: Sequence[GrammarMatcher], mask: torch.Tensor, words: int) -> None:

@@ -114,20 +114,31 @@ def test_grammar_the_items_one_token_may_build_are_bounded(smollm2_tokenizer: An
     assert bounded_took < took / 3
 
 
-def test_grammar_a_template_counts_its_dearest_first_token(smollm2_tokenizer: Any) -> None:
-    """A copy's first token is counted (Template.token_seconds, what the mask budget takes
-    for a new request) at its first mask and the dearest consume of a token that mask
-    allows, each tried as the constraint compiles: the "{" of 990 untyped properties (3,967
-    Earley items) makes its template dear, where a small object's first token is not."""
+def test_grammar_a_template_learns_what_its_copies_first_tokens_cost(
+    smollm2_tokenizer: Any,
+) -> None:
+    """A new copy is counted (Template.token_seconds, what the mask budget takes for a new
+    request) at its template's figure: the first mask as it compiled, then each copy's first
+    token as it is taken, a dearer one at once, a cheaper one halving the figure at most. The
+    "{" of 990 untyped properties (3,967 Earley items) makes the template dear for the next
+    copy; a cheap first token after it only halves it."""
     grammars = Grammars(smollm2_tokenizer, 49152, [2], ConstraintConfig(max_constraint_bytes=LARGE))
-    dear = grammars.compile(schema("p", 990))
-    small = grammars.compile(schema("q", 3))
-    brace = smollm2_tokenizer.encode("{")[0]
-    took, _ = consume_timed(grammars.copy(dear), brace)
-    print(f"first token: {dear.token_seconds * 1e3:.2f} ms (a consume of its brace: "
-          f"{took * 1e3:.2f} ms), a small object's {small.token_seconds * 1e3:.3f} ms")  # fmt: skip
-    assert dear.token_seconds > took / 2
-    assert dear.token_seconds > 10 * small.token_seconds
+    template = grammars.compile(schema("p", 990))
+    compiled = template.token_seconds
+    first = grammars.copy(template)
+    took, _ = consume_timed(first, smollm2_tokenizer.encode("{")[0])
+    dear = template.token_seconds
+    print(f"a copy's first token: {compiled * 1e3:.3f} ms as compiled, {dear * 1e3:.2f} ms "
+          f"after a brace ({took * 1e3:.2f} ms)")  # fmt: skip
+    assert dear == first.step_seconds
+    assert dear > took / 2
+    assert dear > 10 * compiled
+    second = grammars.copy(template)
+    assert second.token_seconds == dear
+    second.consume(smollm2_tokenizer.encode('"')[0])
+    assert template.token_seconds == dear / 2
+    second.consume(smollm2_tokenizer.encode("a")[0])  # its second token: its own figure only
+    assert template.token_seconds == dear / 2
 
 
 DEEP_CHAIN = """

@@ -183,14 +183,14 @@ async def test_structured_tenants_a_flood_of_copies_does_not_slow_another_s_toke
     tokens went 7.3x, and here past the test's time limit. b's median gap beside the flood
     is held within 1.5x of its gap beside the same flood without a schema (the floods in
     turns), and printed with the flood under json_object. What holds it: the template's
-    first mask is built as it compiles and every copy starts with it; the template counts a
-    copy's first token at its dearest (the "{"), so the step's mask budget takes one copy a
-    step; and a row whose grammar allows few tokens is sampled among those alone
-    (loom/model/masks.py), where a free row's random sample draws one exponential for each
-    of 49,152 tokens (1.2 ms, its largest cost on this tiny model, whose step is next to no
-    forward pass). Seen here: the schema 0.11x to 0.15x, json_object 0.5x (0.85x to 1.24x,
-    and 0.6x, before the budget counted a copy's first consume; 1.2x to 1.7x, and 1.0x to
-    1.15x, when every constrained row drew over the whole vocabulary)."""
+    first mask is built as it compiles and every copy starts with it; the template's figure
+    for a copy's first token, raised by the copies whose "{" costs 17 ms, has the step's mask
+    budget take fewer new copies a step; and a row whose grammar allows few tokens is sampled
+    among those alone (loom/model/masks.py), where a free row's random sample draws one
+    exponential for each of 49,152 tokens (1.2 ms, its largest cost on this tiny model, whose
+    step is next to no forward pass). Seen here: the schema 0.47x to 0.79x, json_object 0.6x
+    (0.85x to 1.24x before the budget counted a copy's first consume; 1.2x to 1.7x, and 1.0x
+    to 1.15x, when every constrained row drew over the whole vocabulary)."""
     heavy = schema("h", 2000)
     floods: dict[str, dict[str, Any]] = {
         "no schema": {"unused": json.loads(heavy.spec)},  # the same bytes, ignored
