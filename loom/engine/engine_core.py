@@ -137,7 +137,11 @@ class EngineCore:
         # and its consume in `update`: Matcher.step_seconds) as for the service the step gave
         # in as much time: a step that served `units` (loom/core/fair_share.py) in `took`
         # seconds charges s seconds of grammar s * units / took more.
-        units = sum(service(len(s.token_ids), s.sampling is not None) for s in output.sequences)
+        units = (
+            sum(service(len(s.token_ids), s.sampling is not None) for s in output.sequences)
+            if matchers
+            else 0.0
+        )
         now = trio.current_time()
         for request, out in self.scheduler.update(output, result, now, units / max(took, 1e-9)):
             self.publish(request, out, now)

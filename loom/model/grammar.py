@@ -89,10 +89,11 @@ class GrammarMatcher:
         started = time.thread_time()
         self.matcher.consume_token(token_id)
         self.step_seconds += time.thread_time() - started
-        self.token_seconds = max(self.step_seconds, self.token_seconds / 2)
+        self.token_seconds = recent_peak(self.step_seconds, self.token_seconds)
         if self.template is not None:
-            first = self.template
-            first.token_seconds = max(self.step_seconds, first.token_seconds / 2)
+            self.template.token_seconds = recent_peak(
+                self.step_seconds, self.template.token_seconds
+            )
             self.template = None
 
     def is_stopped(self) -> bool:
@@ -208,6 +209,11 @@ class Grammars:
         fill_rows(matchers[:half], mask[:half], words)
         other.result()
         return masks_of(mask, self.vocab_size)
+
+
+def recent_peak(seconds: float, figure: float) -> float:
+    """A cost figure after a new measure: a dearer one at once, a cheaper one halving it."""
+    return max(seconds, figure / 2)
 
 
 def fill_rows(matchers: Sequence[GrammarMatcher], mask: torch.Tensor, words: int) -> None:
