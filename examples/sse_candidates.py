@@ -52,6 +52,46 @@ def serve_aiohttp(port: int) -> None:
     web.run_app(app, host="127.0.0.1", port=port, print=None, handler_cancellation=True)
 
 
+def serve_loom(port: int) -> None:
+    """Loom's own HTTP/1.1 connection (loom/server/openai/connection.py, on h11), as the HTTP
+    front runs it, with every limit at its default."""
+    from loom.server.boundary.config import BoundaryConfig
+    from loom.server.openai.connection import HttpConnection
+    from loom.server.openai.message import HttpRequest, Response
+    from loom.server.openai.origin_policy import OriginPolicy
+    from loom.server.traffic import ConnectionCaps
+
+    config = BoundaryConfig()
+    caps = ConnectionCaps(config)
+
+    async def stream(_request: HttpRequest, response: Response) -> None:
+        await response.start(200, {"Content-Type": "text/event-stream"}, None)
+        for _ in range(EVENTS):
+            await response.write(event())
+            await asyncio.sleep(0)
+        await response.write(b"data: [DONE]\n\n")
+
+    def connection() -> HttpConnection:
+        def nothing(*_: object) -> None:
+            return None
+
+        return HttpConnection(
+            caps.take("127.0.0.1"),
+            stream,
+            config,
+            OriginPolicy("0.0.0.0", None, ()),
+            nothing,
+            nothing,
+            nothing,
+        )
+
+    async def main() -> None:
+        server = await asyncio.get_running_loop().create_server(connection, "127.0.0.1", port)
+        await server.serve_forever()
+
+    asyncio.run(main())
+
+
 def starlette_app() -> object:
     import anyio
     from starlette.applications import Starlette
@@ -95,6 +135,7 @@ def serve_hypercorn(port: int, worker: str) -> None:
 
 
 CANDIDATES = {
+    "loom (h11)": ("h11", lambda p: serve_loom(p)),
     "aiohttp": ("aiohttp", lambda p: serve_aiohttp(p)),
     "uvicorn+starlette (h11)": ("uvicorn", lambda p: serve_uvicorn(p, "h11")),
     "uvicorn+starlette (httptools)": ("httptools", lambda p: serve_uvicorn(p, "httptools")),
@@ -105,7 +146,7 @@ CANDIDATES = {
 
 def read_stream(port: int) -> None:
     with socket.create_connection(("127.0.0.1", port)) as sock:
-        sock.sendall(b"GET / HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n")
+        sock.sendall(b"GET / HTTP/1.1\r\nHost: localhost\r\nConnection: close\r\n\r\n")
         tail = b""
         while b"[DONE]" not in tail:
             data = sock.recv(1 << 16)

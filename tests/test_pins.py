@@ -22,6 +22,8 @@ import h2.connection
 import h2.events
 import h2.exceptions
 import h2.settings
+import h11
+import pytest
 from grpclib.metadata import Deadline, decode_metadata, encode_grpc_message, encode_metadata
 from hpack import Decoder, Encoder, NeverIndexedHeaderTuple
 from hyperframe.frame import Frame, GoAwayFrame, PingFrame, SettingsFrame
@@ -38,6 +40,7 @@ PINS = {
     "hpack": "4.2.0",
     "hyperframe": "6.1.0",
     "aiohttp": "3.14.5",
+    "h11": "0.16.0",
     "llguidance": "1.9.1",
 }
 
@@ -192,24 +195,30 @@ def test_pins_h2_s_decoder_takes_the_decoded_header_limit_loom_sets() -> None:
     raise AssertionError("a header list past the decoder's limit must be refused")
 
 
-def test_pins_aiohttp_s_server_hooks_the_http_front_relies_on() -> None:
-    """loom/server/openai/front.py: a web.Server told of each connection, its handlers closed
-    gracefully or at once, the handler cancelled when its connection is lost, and the
-    protocol's paused flag read before a write that must not wait."""
-    from aiohttp import web
-    from aiohttp.base_protocol import BaseProtocol
-    from aiohttp.web_protocol import RequestHandler
+def test_pins_h11_bounds_a_head_holds_a_pipelined_request_and_sees_expect() -> None:
+    """loom/server/openai/connection.py: a head over `max_incomplete_event_size` is a protocol
+    error hinting 431; the next request waits (PAUSED) until `start_next_cycle`, its bytes in
+    `trailing_data`; a client waiting for `100 Continue` is seen."""
+    server = h11.Connection(h11.SERVER, max_incomplete_event_size=64)
+    server.receive_data(b"GET / HTTP/1.1\r\nHost: a\r\nX-Long: " + b"x" * 80)
+    with pytest.raises(h11.RemoteProtocolError) as error:
+        server.next_event()
+    assert error.value.error_status_hint == 431
 
-    server = inspect.signature(web.Server.__init__).parameters
-    assert "handler_cancellation" in server
-    made = inspect.signature(web.Server.connection_made).parameters
-    lost = inspect.signature(web.Server.connection_lost).parameters
-    assert list(made) == ["self", "handler", "transport"]
-    assert list(lost) == ["self", "handler", "exc"]
-    assert callable(RequestHandler.close)
-    assert callable(RequestHandler.force_close)
-    assert isinstance(BaseProtocol.writing_paused, property)
-    assert isinstance(web.Server.connections, property)
-    handler = inspect.signature(RequestHandler.__init__).parameters
-    for name in ("keepalive_timeout", "max_line_size", "max_field_size", "access_log"):
-        assert name in handler, name
+    server = h11.Connection(h11.SERVER)
+    server.receive_data(b"GET / HTTP/1.1\r\nHost: a\r\n\r\nGET /b HTTP/1.1\r\nHost: a\r\n\r\n")
+    assert isinstance(server.next_event(), h11.Request)
+    assert isinstance(server.next_event(), h11.EndOfMessage)
+    assert server.next_event() is h11.PAUSED
+    assert server.trailing_data[0].startswith(b"GET /b")
+    server.send(h11.Response(status_code=200, headers=[("Content-Length", "0")]))
+    server.send(h11.EndOfMessage())
+    server.start_next_cycle()
+    assert isinstance(server.next_event(), h11.Request)
+
+    server = h11.Connection(h11.SERVER)
+    server.receive_data(
+        b"POST / HTTP/1.1\r\nHost: a\r\nContent-Length: 2\r\nExpect: 100-continue\r\n\r\n"
+    )
+    assert isinstance(server.next_event(), h11.Request)
+    assert server.they_are_waiting_for_100_continue

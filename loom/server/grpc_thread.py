@@ -42,6 +42,7 @@ from loom.server.openai.api import OpenAIApi
 from loom.server.openai.front import HttpFront
 from loom.server.servicer import LoomServicer
 from loom.server.tenants import Tenant, Tenants
+from loom.server.traffic import Traffic
 
 LOWEST_PRIORITY = 19  # nice, for this thread only (Linux: a thread's own priority)
 
@@ -105,7 +106,10 @@ class GrpcThread:
         services = ServerReflection.extend([servicer, Health({servicer: [self.health]})])
         registry = self.engine.metrics.registry
         refused = boundary_refusals(registry)
-        self.endpoint = Endpoint(services, self.config.boundary, refused, self.identify, self.tls)
+        self.traffic = Traffic(self.config.boundary)
+        self.endpoint = Endpoint(
+            services, self.config.boundary, refused, self.identify, self.traffic, self.tls
+        )
         try:
             port = await self.endpoint.start(self.config.host, self.config.port)
             if self.config.http.http_port is not None:
@@ -128,7 +132,9 @@ class GrpcThread:
         api = OpenAIApi(
             self.engine, servicer.bridge, self.tenants, servicer.live, config.http, config.boundary
         )
-        self.http = HttpFront(api, config.boundary, self.endpoint, refused, self.http_tls)
+        self.http = HttpFront(
+            api, config.boundary, config.http, self.endpoint, self.traffic, refused, self.http_tls
+        )
         assert config.http.http_port is not None
         self.http_port = await self.http.start(config.http.http_host, config.http.http_port)
 

@@ -25,7 +25,7 @@ from hpack import Encoder
 
 from loom.bench.serving import launched_process
 from loom.chaos import attacks
-from loom.server.boundary.listener import stop_handshakes
+from loom.server.listener import stop_handshakes
 from loom.v1.loom_grpc import LoomStub
 from tests.grpc_client import HOST, generate, greedy, run_client, token_ids
 

@@ -339,7 +339,7 @@ async def test_http_a_closed_connection_aborts_its_request_at_once() -> None:
                 data = body if stream else body.replace(b'"stream": true', b'"stream": false')
                 sock = socket.create_connection((HOST, port))
                 sock.sendall(
-                    b"POST /v1/completions HTTP/1.1\r\nHost: x\r\n"
+                    b"POST /v1/completions HTTP/1.1\r\nHost: localhost\r\n"
                     b"Content-Type: application/json\r\nContent-Length: %d"
                     b"\r\n\r\n%s" % (len(data), data)
                 )
@@ -368,7 +368,7 @@ async def test_http_a_stopped_reader_is_paused_then_ended_at_the_stall_timeout()
             sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
             sock.connect((HOST, port))
             sock.sendall(
-                b"POST /v1/completions HTTP/1.1\r\nHost: x\r\n"
+                b"POST /v1/completions HTTP/1.1\r\nHost: localhost\r\n"
                 b"Content-Type: application/json\r\nContent-Length: %d"
                 b"\r\n\r\n%s" % (len(body), body)
             )
@@ -547,7 +547,7 @@ async def test_http_a_head_that_never_ends_and_connections_over_the_cap_are_clos
         port = server.http_port or 0
         with trio.fail_after(30):
             slow = socket.create_connection((HOST, port))
-            slow.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\n")  # and no more
+            slow.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: localhost\r\n")  # and no more
             start = time.monotonic()
             assert await trio.to_thread.run_sync(slow.recv, 1) == b""  # closed by the server
             waited = time.monotonic() - start
@@ -600,11 +600,11 @@ async def test_http_refused_headers_leave_the_drain_counts_at_zero(
             for header in (b"X-Request-Id: ab\xffcd", b"Authorization: Bearer key-of-a\xff"):
                 sock = socket.create_connection((HOST, port))
                 sock.sendall(
-                    b"POST /v1/completions HTTP/1.1\r\nHost: x\r\n%s\r\n"
+                    b"POST /v1/completions HTTP/1.1\r\nHost: localhost\r\n%s\r\n"
                     b"Authorization: Bearer key-of-a\r\nContent-Length: %d\r\n\r\n%s"
                     % (header, len(body), body)
                     if b"Request" in header
-                    else b"POST /v1/completions HTTP/1.1\r\nHost: x\r\n%s\r\n"
+                    else b"POST /v1/completions HTTP/1.1\r\nHost: localhost\r\n%s\r\n"
                     b"Content-Length: %d\r\n\r\n%s" % (header, len(body), body)
                 )
                 replies.append(await trio.to_thread.run_sync(sock.recv, 4096))

@@ -224,7 +224,7 @@ async def test_tls_the_http_api_serves_the_same_certificate_with_alpn_http_1_1(
 
     def plaintext(port: int) -> bytes:
         with socket.create_connection((HOST, port), timeout=30) as sock:
-            sock.sendall(b"GET /health HTTP/1.1\r\nHost: x\r\n\r\n")
+            sock.sendall(b"GET /health HTTP/1.1\r\nHost: localhost\r\n\r\n")
             return sock.recv(4096)
 
     async with serving(tiny_chat, boundary=boundary, http=HttpConfig(http_port=0)) as (server, _):

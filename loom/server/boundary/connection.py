@@ -13,11 +13,12 @@ started and ended, writes under flow control, every limit enforced where the fra
 
 One timer at a time (loom/server/boundary/watchdog.py) says when the connection has waited too
 long: for its preface, for the rest of a header block or frame, for its peer to take what it
-was sent (`write_timeout`; meanwhile the
-connection is not read, so a peer that floods PINGs without reading answers fills only its own
-socket), or, with no stream open, for a new stream (`idle_timeout`). A connection closes by
-GOAWAY, then half-closes and reads (discarding) until the peer closes or `LINGER` passes, so
-that what it was sent last is not lost to a reset; an abusive one is not read meanwhile.
+was sent (`write_timeout`; meanwhile the connection is not read, so a peer that floods PINGs
+without reading answers fills only its own socket), or, with no stream open, for a new stream
+(`idle_timeout`); with no stream open, its place may go to a new connection (`Seat`). A
+connection closes by GOAWAY, then half-closes and reads (discarding) until the peer closes or
+`LINGER` passes, so that what it was sent last is not lost to a reset; an abusive one is not
+read meanwhile.
 
 What grpclib's own server does differently, and why Loom does not use it: a stream reset
 before its handler task starts is never released (rapid reset keeps ~9 KB a stream for the
@@ -57,6 +58,7 @@ from loom.server.boundary.gate import FrameGate, GateLimits, LimitError
 from loom.server.boundary.outbound import Outbound
 from loom.server.boundary.streams import Streams
 from loom.server.boundary.watchdog import Watchdog
+from loom.server.traffic import Seat
 
 if TYPE_CHECKING:
     from loom.server.boundary.endpoint import Endpoint
@@ -67,9 +69,10 @@ LINGER = 2.0  # seconds a closing connection waits for its peer to close
 
 
 class Connection(asyncio.Protocol):
-    def __init__(self, endpoint: Endpoint, host: str) -> None:
+    def __init__(self, endpoint: Endpoint, seat: Seat) -> None:
         self.endpoint = endpoint
-        self.host = host  # the peer's address, as the listener counts it
+        self.seat = seat  # its place under the connection caps
+        self.host = seat.host  # the peer's address, as the listener counts it
         self.config = endpoint.config
         self.budget = endpoint.budget
         self.loop = asyncio.get_running_loop()
@@ -217,6 +220,7 @@ class Connection(asyncio.Protocol):
             self.close("the client went away")
             return
         self.idle_since = self.loop.time()
+        self.seat.idle()
         if self.goaway_after_last_stream:
             self.goaway_after_last_stream = False
             if self.h2.remote_settings.initial_window_size >= PROXY_WINDOW:

@@ -1,8 +1,9 @@
 """The gRPC endpoint, in the server's asyncio thread: the listener (its caps,
-loom/server/boundary/listener.py), the connections it accepted, the services their calls go to
-(grpclib servables: `__mapping__()` names each method's handler and message types), the
-server-wide request budget, each refusal counted by the limit that made it, and what each
-drain phase (loom/server/drain.py) means for the connections.
+loom/server/listener.py), the connections it accepted, the services their calls go to
+(grpclib servables: `__mapping__()` names each method's handler and message types), each
+refusal counted by the limit that made it, and what each drain phase (loom/server/drain.py)
+means for the connections. The caps and the request budget are the server's, shared with the
+HTTP front (loom/server/traffic.py).
 """
 
 from __future__ import annotations
@@ -13,6 +14,7 @@ import logging
 import socket
 import ssl
 from collections.abc import Callable, Iterable
+from functools import partial
 from typing import Any
 
 from grpclib import GRPCError, Status
@@ -22,32 +24,13 @@ from h2.errors import ErrorCodes
 from loom.server.boundary.call import Call
 from loom.server.boundary.config import BoundaryConfig
 from loom.server.boundary.connection import Connection
-from loom.server.boundary.frames import GENERATE_PATH
-from loom.server.boundary.listener import Listener
+from loom.server.boundary.frames import GENERATE_PATH, goaway, refusal_preface
 from loom.server.bridge import Count
 from loom.server.drain import DrainPhase
+from loom.server.listener import Listener
+from loom.server.traffic import Seat, Traffic
 
 log = logging.getLogger(__name__)
-
-
-class RequestBudget:
-    """Request bytes being received at once, server-wide (the asyncio thread's own count)."""
-
-    def __init__(self, limit: int) -> None:
-        self.limit = limit
-        self.taken = 0
-
-    def take(self, size: int) -> None:
-        if self.taken + size > self.limit:
-            raise GRPCError(
-                Status.RESOURCE_EXHAUSTED,
-                f"the server holds {self.taken} bytes of request messages being received; "
-                f"{size} more would exceed max_buffered_request_bytes={self.limit}",
-            )
-        self.taken += size
-
-    def give(self, size: int) -> None:
-        self.taken -= size
 
 
 class Endpoint:
@@ -57,6 +40,7 @@ class Endpoint:
         config: BoundaryConfig,
         on_refused: Callable[[str], None],
         identify: Callable[[Call], Any],
+        traffic: Traffic,
         tls: ssl.SSLContext | None = None,
     ) -> None:
         self.mapping: dict[str, Any] = {}
@@ -64,10 +48,11 @@ class Endpoint:
             self.mapping.update(service.__mapping__())
         self.config = config
         self.on_refused = on_refused
-        self.budget = RequestBudget(config.max_buffered_request_bytes)
+        self.budget = traffic.budget
+        self.caps = traffic.caps
         self.identify = identify  # the call's tenant, or GRPCError(UNAUTHENTICATED)
         self.tls = tls
-        self.listener = Listener(config, self.accepted, self.refused)
+        self.listener = Listener(self.caps, self.accepted, self.refused, refusal)
         self.connections: set[Connection] = set()
         self.setting_up: set[asyncio.Task[Any]] = set()  # accepted, not yet connected
         self.num_connections = Count()
@@ -86,12 +71,12 @@ class Endpoint:
 
     # Connections
 
-    def accepted(self, sock: socket.socket, host: str) -> None:
+    def accepted(self, sock: socket.socket, seat: Seat) -> None:
         """A connection within the caps: its protocol is made on the loop's next turns. In a
         drain, it counts as unheard until connected (then told, like the others)."""
         loop = asyncio.get_running_loop()
         connect = loop.connect_accepted_socket(
-            lambda: Connection(self, host),
+            lambda: Connection(self, seat),
             sock,
             ssl=self.tls,
             ssl_handshake_timeout=self.config.preface_timeout if self.tls else None,
@@ -105,9 +90,9 @@ class Endpoint:
             if task.cancelled() or task.exception() is not None:
                 # A TLS handshake that failed or never came (a plaintext client, a scanner).
                 why = None if task.cancelled() else task.exception()
-                log.debug("a connection from %s failed to start: %r", host, why)
+                log.debug("a connection from %s failed to start: %r", seat.host, why)
                 self.refused("tls_handshake" if self.tls else "connection_setup")
-                self.listener.released(host)
+                seat.release()
                 if task.cancelled():
                     sock.close()  # (else asyncio closed its transport, and the socket with it)
 
@@ -122,16 +107,23 @@ class Endpoint:
     def connected(self, connection: Connection) -> None:
         self.connections.add(connection)
         self.num_connections.add(1)
+        connection.seat.evict = partial(self.make_room, connection)
+        connection.seat.idle()
         if self.phase is DrainPhase.ANNOUNCED:
             connection.announce_drain()
         elif self.refusing:
             connection.refuse_new_calls()
 
+    def make_room(self, connection: Connection) -> None:
+        """An idle connection gives its place to a new one (the caps are full)."""
+        self.refused("made_room")
+        connection.close("closed to make room for a new connection", error_code=ErrorCodes.NO_ERROR)
+
     def disconnected(self, connection: Connection) -> None:
         if connection in self.connections:
             self.connections.remove(connection)
             self.num_connections.add(-1)
-            self.listener.released(connection.host)
+            connection.seat.release()
 
     def refused(self, cause: str) -> None:
         self.on_refused(cause)
@@ -210,3 +202,8 @@ async def end_with(call: Call, status: Status, message: str | None) -> None:
     if call.ended is None and not call.trailers_sent:
         with contextlib.suppress(StreamTerminatedError):
             await call.send_trailing_metadata(status=status, status_message=message)
+
+
+def refusal(_cause: str, why: str) -> bytes:
+    """What a connection over a cap is told: the server's settings, then GOAWAY naming why."""
+    return refusal_preface() + goaway(ErrorCodes.ENHANCE_YOUR_CALM, 0, why)

@@ -16,6 +16,8 @@ from typing import TYPE_CHECKING
 
 from grpclib import GRPCError, Status
 
+from loom.server.traffic import OverBudgetError
+
 if TYPE_CHECKING:
     from loom.server.boundary.call import Call
 
@@ -68,9 +70,9 @@ class Inbound:
             return
         try:
             self.connection.budget.take(more)
-        except GRPCError:
+        except OverBudgetError as exc:
             self.connection.refused("max_buffered_request_bytes")
-            raise
+            raise GRPCError(Status.RESOURCE_EXHAUSTED, str(exc)) from None
         self.charged += more
         self.connection.out.acknowledge(self.call.stream_id, more)
         self.num_acknowledged = upto

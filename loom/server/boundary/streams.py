@@ -37,6 +37,7 @@ class Streams:
         stream_id = event.stream_id
         headers = [(k.decode("latin-1"), v.decode("latin-1")) for k, v in event.headers]
         connection.idle_since = None
+        connection.seat.busy()
         fields = dict(headers)
         ended = event.stream_ended is not None
         refusal = stream_refusal(

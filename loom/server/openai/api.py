@@ -14,11 +14,10 @@ from __future__ import annotations
 
 import asyncio
 import importlib.metadata
+import json
 from collections.abc import Awaitable, Callable
 from functools import partial
 from typing import Any
-
-from aiohttp import web
 
 from loom.core.fair_share import Tenancy
 from loom.core.prompt import ChatMessage, Prompt
@@ -27,8 +26,8 @@ from loom.server.boundary.config import BoundaryConfig
 from loom.server.bridge import TrioBridge
 from loom.server.openai.config import HttpConfig
 from loom.server.openai.errors import HttpError, StreamEndedError, http_errors, invalid
-from loom.server.openai.exchange import Exchange, read_json
-from loom.server.openai.front import error_response
+from loom.server.openai.exchange import Exchange, reply_error
+from loom.server.openai.message import HttpRequest
 from loom.server.openai.requests import chat_ask, chat_message, completion_ask, int_list
 from loom.server.openai.responses import OpenAIFraming
 from loom.server.openai.tokens import TokenTexts
@@ -36,7 +35,7 @@ from loom.server.openai.tool_framing import ToolFraming
 from loom.server.relay import Live, Relay
 from loom.server.tenants import HEALTH_PREFIX, Tenant, Tenants
 
-Route = Callable[[web.BaseRequest, Exchange], Awaitable[web.StreamResponse]]
+Route = Callable[[HttpRequest, Exchange], Awaitable[Any]]
 
 
 class OpenAIApi:
@@ -58,14 +57,14 @@ class OpenAIApi:
         self.routes: dict[tuple[str, str], Route] = {
             ("POST", "/v1/chat/completions"): lambda r, e: self.generate(r, e, chat=True),
             ("POST", "/v1/completions"): lambda r, e: self.generate(r, e, chat=False),
-            ("GET", "/v1/models"): lambda r, _: self.models(r),
-            ("POST", "/tokenize"): lambda r, _: self.tokenize(r),
-            ("POST", "/detokenize"): lambda r, _: self.detokenize(r),
-            ("GET", "/health"): lambda r, _: self.health(r),
-            ("GET", "/version"): lambda r, _: self.version(r),
+            ("GET", "/v1/models"): self.models,
+            ("POST", "/tokenize"): self.tokenize,
+            ("POST", "/detokenize"): self.detokenize,
+            ("GET", "/health"): self.health,
+            ("GET", "/version"): self.version,
         }
 
-    async def __call__(self, request: web.BaseRequest, exchange: Exchange) -> web.StreamResponse:
+    async def __call__(self, request: HttpRequest, exchange: Exchange) -> None:
         """The front's handler (loom/server/openai/front.py): `exchange` is the request's."""
         route = self.routes.get((request.method, request.path))
         if route is None and request.method == "GET" and request.path.startswith("/v1/models/"):
@@ -73,17 +72,17 @@ class OpenAIApi:
         if route is None:
             known = any(path == request.path for _, path in self.routes)
             status, why = (405, "method not allowed") if known else (404, "no such route")
-            return error_response(HttpError(status, f"{request.method} {request.path}: {why}"))
+            error = HttpError(status, f"{request.method} {request.path}: {why}")
+            await reply_error(exchange.response, error)
+            return
         try:
-            return await route(request, exchange)
+            await route(request, exchange)
         except HttpError as exc:
-            return error_response(exc)
+            await reply_error(exchange.response, exc)
 
     # Generation
 
-    async def generate(
-        self, request: web.BaseRequest, exchange: Exchange, *, chat: bool
-    ) -> web.StreamResponse:
+    async def generate(self, request: HttpRequest, exchange: Exchange, *, chat: bool) -> None:
         done = exchange.counted()
         try:
             with http_errors():
@@ -116,18 +115,16 @@ class OpenAIApi:
             pass  # its error event has been sent
         except HttpError as exc:
             if not exchange.started:
-                return error_response(exc, exchange.headers)
+                await reply_error(exchange.response, exc, exchange.headers)
+                return
             await exchange.cancel()  # mid-stream, and no event for it: the client sees a cut
         finally:
             done()
-        return await exchange.finish()
+        await exchange.finish()
 
-    def identify(self, request: web.BaseRequest) -> Tenant:
+    def identify(self, request: HttpRequest) -> Tenant:
         path = HEALTH_PREFIX if request.path == "/health" else request.path
-        transport = request.transport
-        peer = transport.get_extra_info("peername") if transport else None
-        cert = transport.get_extra_info("peercert") if transport else None
-        tenant = self.tenants.identify(path, request.headers, peer, cert)
+        tenant = self.tenants.identify(path, request.headers, request.peer, request.cert)
         return tenant if tenant is not None else Tenant("")
 
     def check_model(self, model: str | None) -> str:
@@ -153,7 +150,7 @@ class OpenAIApi:
 
     # The other routes
 
-    async def models(self, request: web.BaseRequest) -> web.StreamResponse:
+    async def models(self, request: HttpRequest, exchange: Exchange) -> None:
         with http_errors():
             self.identify(request)
             name = self.model_name()
@@ -172,45 +169,51 @@ class OpenAIApi:
                     f"no model {request.path.removeprefix('/v1/models/')!r}",
                     code="model_not_found",
                 )
-            return web.json_response(card)
-        return web.json_response({"object": "list", "data": [card]})
+            await reply_json(exchange, card)
+        else:
+            await reply_json(exchange, {"object": "list", "data": [card]})
 
-    async def tokenize(self, request: web.BaseRequest) -> web.StreamResponse:
+    async def tokenize(self, request: HttpRequest, exchange: Exchange) -> None:
         with http_errors():
             self.identify(request)
-            prompt = await read_json(request, self.boundary, tokenize_prompt)
+            prompt = await exchange.read_json(self.boundary, tokenize_prompt)
             core = self.engine.loaded_core()
             checker = core.admission.prompts
             checker.check_size(prompt)
             loop = asyncio.get_running_loop()
             tokens = await loop.run_in_executor(None, checker.tokenize, prompt)
-        return web.json_response(
-            {"count": len(tokens), "max_model_len": checker.max_model_len, "tokens": tokens}
+        await reply_json(
+            exchange,
+            {"count": len(tokens), "max_model_len": checker.max_model_len, "tokens": tokens},
         )
 
-    async def detokenize(self, request: web.BaseRequest) -> web.StreamResponse:
+    async def detokenize(self, request: HttpRequest, exchange: Exchange) -> None:
         with http_errors():
             self.identify(request)
             checker = self.engine.loaded_core().admission.prompts
-            tokens = await read_json(
-                request, self.boundary, partial(detokenize_tokens, limit=checker.max_model_len)
+            tokens = await exchange.read_json(
+                self.boundary, partial(detokenize_tokens, limit=checker.max_model_len)
             )
             checker.check_size(tokens)
             ids = checker.tokenize(tokens) if tokens else ()  # checked against the vocabulary
             text = checker.need_tokenizer().decode(list(ids))
-        return web.json_response({"prompt": text})
+        await reply_json(exchange, {"prompt": text})
 
-    async def health(self, request: web.BaseRequest) -> web.StreamResponse:
+    async def health(self, request: HttpRequest, exchange: Exchange) -> None:
         with http_errors():
             self.identify(request)
         if self.engine.state is not EngineState.SERVING:
             raise HttpError(503, self.engine.refusal(), code="unavailable")
-        return web.Response(status=200)
+        await exchange.response.reply(200)
 
-    async def version(self, request: web.BaseRequest) -> web.StreamResponse:
+    async def version(self, request: HttpRequest, exchange: Exchange) -> None:
         with http_errors():
             self.identify(request)
-        return web.json_response({"version": importlib.metadata.version("loom")})
+        await reply_json(exchange, {"version": importlib.metadata.version("loom")})
+
+
+async def reply_json(exchange: Exchange, value: Any) -> None:
+    await exchange.response.reply(200, json.dumps(value).encode())
 
 
 def tokenize_prompt(body: Any) -> Prompt:

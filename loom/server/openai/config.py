@@ -9,6 +9,11 @@ import attrs
 from loom.core.setting import at_least, in_range, setting
 
 
+def names(text: str) -> tuple[str, ...]:
+    """`a, b` -> ("a", "b")."""
+    return tuple(part.strip() for part in text.split(",") if part.strip())
+
+
 @attrs.frozen(kw_only=True)
 class HttpConfig:
     http_port: int | None = setting(
@@ -23,4 +28,17 @@ class HttpConfig:
     )
     served_model_name: str | None = setting(
         None, "the model's name in the HTTP API (default: the loaded model's own)"
+    )
+    allowed_hosts: tuple[str, ...] | None = setting(
+        None,
+        "comma-separated Host names the HTTP API answers to (`.example.com`: a domain and its "
+        "subdomains; `*`: any); by default localhost names and IP addresses when it listens "
+        "on loopback, any name otherwise (against DNS rebinding)",
+        parse=names,
+    )
+    allowed_origins: tuple[str, ...] = setting(
+        (),
+        "comma-separated web origins (`https://app.example.com`, or `*`) whose pages may call "
+        "the HTTP API from a browser (CORS); by default none",
+        parse=names,
     )

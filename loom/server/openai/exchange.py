@@ -1,18 +1,20 @@
 """One HTTP request and its response: the relay's sink (loom/server/relay.py `Sink`) on an
-aiohttp connection.
+HTTP/1.1 connection (loom/server/openai/connection.py).
 
 The response's head goes out with its first message, so that an error found before anything
 was framed (a refusal after tokenising, a deadline passed in the queue) is a plain HTTP status.
-A message is sent at once while the connection's write buffer is below its mark (aiohttp then
-writes without waiting); else `send_message` waits for the client to read. `cancel` closes the
-connection: the client learns that nothing more is coming. A lost connection runs the
-`when_ended` callbacks at once (the front calls `lost`), before the handler is cancelled.
+A message is sent at once while the connection's write buffer is below its mark; else
+`send_message` waits for the client to read. `cancel` closes the connection: the client learns
+that nothing more is coming. A lost connection runs the `when_ended` callbacks at once (the
+front calls `lost`), before the handler is cancelled.
 
 What the request says: `X-Request-Id` (a label: echoed, the response's `id`, what a gRPC Abort
 names; the server makes one when absent), `X-Request-Timeout` (seconds: the request's deadline,
 queued or running; 408 when it passes), and a JSON body read whole within `request_timeout`,
-at most `max_request_bytes` (413 beyond, refused unread when its Content-Length says so),
-parsed off the I/O thread where it is large (loom/server/openai/json_body.py).
+at most `max_request_bytes` (413 beyond, refused unread when its Content-Length says so), its
+bytes held against the server's request budget (`max_buffered_request_bytes`, shared with the
+gRPC port: 503 when full) until parsed, off the I/O thread where it is large
+(loom/server/openai/json_body.py).
 """
 
 from __future__ import annotations
@@ -23,18 +25,17 @@ import uuid
 from collections.abc import Callable
 from typing import Any, TypeVar
 
-from aiohttp import web
-
 from loom.server.boundary.config import BoundaryConfig
 from loom.server.bridge import Count
 from loom.server.openai.errors import HttpError, invalid
 from loom.server.openai.json_body import BodyError, Whole, parse, rendered
+from loom.server.openai.message import JSON, HttpRequest, Response
 from loom.server.relay import Ending
+from loom.server.traffic import OverBudgetError, RequestBudget
 from loom.server.wire import MAX_REQUEST_ID_CHARS
 
 T = TypeVar("T")
 MAX_TIMEOUT_S = 1e6
-JSON = "application/json"  # the one Content-Type a body may have
 SSE_HEADERS = {
     "Content-Type": "text/event-stream; charset=utf-8",
     "Cache-Control": "no-cache",
@@ -43,19 +44,26 @@ SSE_HEADERS = {
 
 
 class Exchange(Ending):
-    def __init__(self, request: web.BaseRequest, arriving: Count, in_flight: Count) -> None:
+    def __init__(
+        self,
+        request: HttpRequest,
+        response: Response,
+        arriving: Count,
+        in_flight: Count,
+        budget: RequestBudget,
+    ) -> None:
         super().__init__()
         self.request = request
+        self.response = response
         self.arriving = arriving  # the drain's counts (the endpoint's, for both fronts)
         self.in_flight = in_flight
+        self.budget = budget
         self.headers: dict[str, str] = {}
         self.stream = False  # set once the body is read: SSE, or one JSON object
-        self.close_after = False  # `Connection: close` (a drain has begun)
-        self.response: web.StreamResponse | None = None
 
     @property
     def started(self) -> bool:
-        return self.response is not None
+        return self.response.started
 
     def counted(self) -> Callable[[], None]:
         """Count a generation request as arriving and in flight; the returned call ends it."""
@@ -70,7 +78,7 @@ class Exchange(Ending):
         return done
 
     def request_id(self) -> str:
-        label = self.request.headers.get("X-Request-Id", "")
+        label = self.request.headers.get("x-request-id", "")
         if len(label) > MAX_REQUEST_ID_CHARS:
             raise invalid(
                 f"X-Request-Id has {len(label)} characters; the limit is {MAX_REQUEST_ID_CHARS}",
@@ -81,7 +89,7 @@ class Exchange(Ending):
         return label or uuid.uuid4().hex
 
     def time_left(self) -> float | None:
-        text = self.request.headers.get("X-Request-Timeout")
+        text = self.request.headers.get("x-request-timeout")
         if text is None:
             return None
         try:
@@ -96,7 +104,7 @@ class Exchange(Ending):
         return seconds
 
     async def read_json(self, boundary: BoundaryConfig, then: Callable[[Any], T]) -> T:
-        return await read_json(self.request, boundary, then)
+        return await read_json(self.request, boundary, self.budget, then)
 
     # The relay's calls
 
@@ -109,15 +117,15 @@ class Exchange(Ending):
     async def send_message(self, message: bytes | Whole) -> None:
         if isinstance(message, Whole):  # a whole response: rendered off the I/O thread
             message = await rendered(message.value)
-        if self.response is None:
-            self.response = self.head(len(message))
-            await self.response.prepare(self.request)
+        if not self.response.started:
+            if self.stream:
+                await self.response.start(200, {**self.headers, **SSE_HEADERS}, None)
+            else:
+                await self.response.start(200, {**self.headers, "Content-Type": JSON}, len(message))
         await self.response.write(message)
 
     async def cancel(self) -> None:
-        transport = self.request.transport
-        if transport is not None:
-            transport.abort()
+        self.response.abort()
 
     # The front's calls
 
@@ -126,42 +134,68 @@ class Exchange(Ending):
         self.run_end("the connection was lost")
 
     def writable(self) -> bool:
-        transport = self.request.transport
-        protocol: Any = self.request.protocol
-        return transport is not None and not transport.is_closing() and not protocol.writing_paused
+        return self.response.writable()
 
-    def head(self, size: int) -> web.StreamResponse:
-        response = web.StreamResponse(headers=self.headers)
-        if self.stream:
-            response.headers.update(SSE_HEADERS)
-        else:
-            response.content_type = "application/json"
-            response.content_length = size
-        if self.close_after:
-            response.force_close()
-        return response
-
-    async def finish(self) -> web.StreamResponse:
+    async def finish(self) -> None:
         """The response, ended (a lost connection is no error here)."""
-        if self.response is None:  # a relay given up on its client: nothing more to send
-            self.response = web.Response(status=499)
-            self.response.force_close()
-            return self.response
+        if not self.response.started:  # a relay given up on its client: nothing more to send
+            self.response.close_after = True
+            with contextlib.suppress(ConnectionError):
+                await self.response.reply(499)
+            return
         with contextlib.suppress(ConnectionError):
-            await self.response.write_eof()
-        return self.response
+            await self.response.end()
+
+
+async def reply_error(
+    response: Response, error: HttpError, headers: dict[str, str] | None = None
+) -> None:
+    """A whole error response."""
+    await response.reply(error.status, error.encoded(), {**(headers or {}), **error.headers()})
 
 
 async def read_json(
-    request: web.BaseRequest, boundary: BoundaryConfig, then: Callable[[Any], T]
+    request: HttpRequest, boundary: BoundaryConfig, budget: RequestBudget, then: Callable[[Any], T]
 ) -> T:
     """The body, read whole within the limits, then parsed as JSON and given to `then` (which
     checks what it holds), off the I/O thread where it is large (json_body.parse). A body that
     does not say it is JSON is refused unread (415): a web page may have any browser send a
     POST of text/plain, a form or no type to another origin without asking it first (no CORS
     preflight), so a Loom on a user's machine would run what any page they visit sends."""
-    if request.content_type != JSON:  # aiohttp's: lowercased, parameters off, absent as bytes
-        given = request.headers.get("Content-Type")
+    check_declared(request, boundary.max_request_bytes)
+    limit = boundary.max_request_bytes
+    body = bytearray()
+    try:
+        async with asyncio.timeout(boundary.request_timeout):
+            while chunk := await request.body.read():
+                if len(body) + len(chunk) > limit:
+                    raise HttpError(
+                        413,
+                        f"the body has more than {limit} bytes; the limit "
+                        f"is max_request_bytes={limit}",
+                        code="request_too_large",
+                    )
+                budget.take(len(chunk))
+                body += chunk
+        return await parse(body, then)
+    except TimeoutError:
+        raise HttpError(
+            408,
+            f"the body did not arrive within request_timeout={boundary.request_timeout:g} s",
+            code="request_timeout",
+        ) from None
+    except OverBudgetError as exc:
+        raise HttpError(503, str(exc), code="max_buffered_request_bytes") from None
+    except BodyError as exc:
+        raise invalid(f"the body is not valid JSON: {exc}", None) from None
+    finally:
+        budget.give(len(body))
+
+
+def check_declared(request: HttpRequest, limit: int) -> None:
+    """What the head says of the body: JSON (else 415), at most `limit` bytes (else 413)."""
+    if request.content_type != JSON:
+        given = request.headers.get("content-type")
         raise HttpError(
             415,
             f"the body's Content-Type is {given!r}; it must be {JSON}"
@@ -169,7 +203,6 @@ async def read_json(
             else f"the body has no Content-Type; it must be {JSON}",
             code="unsupported_media_type",
         )
-    limit = boundary.max_request_bytes
     declared = request.content_length
     if declared is not None and declared > limit:
         raise HttpError(
@@ -177,25 +210,3 @@ async def read_json(
             f"the body has {declared} bytes; the limit is max_request_bytes={limit}",
             code="request_too_large",
         )
-    body = bytearray()
-    try:
-        async with asyncio.timeout(boundary.request_timeout):
-            while chunk := await request.content.readany():
-                body += chunk
-                if len(body) > limit:
-                    raise HttpError(
-                        413,
-                        f"the body has more than {limit} bytes; the limit "
-                        f"is max_request_bytes={limit}",
-                        code="request_too_large",
-                    )
-    except TimeoutError:
-        raise HttpError(
-            408,
-            f"the body did not arrive within request_timeout={boundary.request_timeout:g} s",
-            code="request_timeout",
-        ) from None
-    try:
-        return await parse(body, then)
-    except BodyError as exc:
-        raise invalid(f"the body is not valid JSON: {exc}", None) from None

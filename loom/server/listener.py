@@ -1,14 +1,13 @@
-"""The listening socket, accepted by hand so that the connection caps hold at the accept itself.
+"""A listening socket, accepted by hand so that the connection caps hold at the accept itself;
+one for each port (gRPC, HTTP), all counting against one set of caps (loom/server/traffic.py).
 
 asyncio's own server accepts as many connections as wait, and only then runs their protocols:
 a burst of 1,100 takes 1,100 descriptors before any cap is checked, and past the descriptor
 limit it stops accepting for a second, everyone's connections refused alike. Here each accept
 is counted at once: over `max_connections` in all or `max_connections_per_peer` from one
-address, the connection is sent a GOAWAY that says which limit and closed, still within the
-accept; the others go to the endpoint. The caps stay `FD_RESERVE` below the descriptor limit,
-whose soft value is first raised to the hard one (as Go's runtime does at start), so accepting
-never fails for want of a descriptor; if it fails anyway (ENFILE: the whole machine's), accepting
-pauses for `RETRY_DELAY`.
+address, the connection is told which limit in its port's protocol (`refusal`: a GOAWAY, a 503)
+and closed, still within the accept; the others go to the front. If accepting fails anyway
+(ENFILE: the whole machine's descriptors), it pauses for `RETRY_DELAY`.
 """
 
 from __future__ import annotations
@@ -18,33 +17,17 @@ import contextlib
 import ctypes
 import errno
 import logging
-import resource
 import socket
 import struct
-from collections import Counter
 from collections.abc import Callable
 
-from h2.errors import ErrorCodes
-
-from loom.server.boundary.config import BoundaryConfig
-from loom.server.boundary.frames import goaway, refusal_preface
+from loom.server.traffic import ConnectionCaps, Seat
 
 log = logging.getLogger(__name__)
-FD_RESERVE = 64  # descriptors left for the model's files, logs, the metrics port, threads
 BACKLOG = 1024  # the listen queue (nginx: 511; grpclib: 100, too few for a burst of clients)
 ACCEPTS_PER_TURN = 128  # then the loop's other work gets its turn
 RETRY_DELAY = 0.1
 OUT_OF_RESOURCES = (errno.EMFILE, errno.ENFILE, errno.ENOBUFS, errno.ENOMEM)
-
-
-def descriptor_room() -> int:
-    """Connections the descriptor limit leaves room for, after raising it to the hard limit."""
-    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
-    if soft < hard:
-        with contextlib.suppress(ValueError, OSError):
-            resource.setrlimit(resource.RLIMIT_NOFILE, (hard, hard))
-            soft = hard
-    return max(1, soft - FD_RESERVE)
 
 
 def peer_host(address: object) -> str:
@@ -54,21 +37,15 @@ def peer_host(address: object) -> str:
 class Listener:
     def __init__(
         self,
-        config: BoundaryConfig,
-        on_accept: Callable[[socket.socket, str], None],
+        caps: ConnectionCaps,
+        on_accept: Callable[[socket.socket, Seat], None],
         refused: Callable[[str], None],
+        refusal: Callable[[str, str], bytes],
     ) -> None:
-        self.config = config
-        self.on_accept = on_accept  # hands an accepted socket (and its peer host) on
+        self.caps = caps  # shared by every port's listener
+        self.on_accept = on_accept  # hands an accepted socket (and its place) on
         self.refused = refused
-        self.max_connections = min(config.max_connections, descriptor_room())
-        if self.max_connections < config.max_connections:
-            log.warning(
-                "max_connections lowered to %d: the descriptor limit allows no more",
-                self.max_connections,
-            )
-        self.num_connections = 0
-        self.per_peer = Counter[str]()
+        self.refusal = refusal  # what a connection over a cap is told: the port's protocol
         self.socks: list[socket.socket] = []
 
     def listen(self, host: str, port: int) -> int:
@@ -107,47 +84,25 @@ class Listener:
             self.pause(RETRY_DELAY)
             return False
         host = peer_host(address)
-        refusal = self.over_cap(host)
+        refusal = self.caps.over_cap(host)
         if refusal is not None:
             self.refuse(conn, *refusal)
             return True
-        self.num_connections += 1
-        self.per_peer[host] += 1
-        self.on_accept(conn, host)
+        self.on_accept(conn, self.caps.take(host))
         return True
 
-    def over_cap(self, host: str) -> tuple[str, str] | None:
-        if self.num_connections >= self.max_connections:
-            limit = self.max_connections
-            return "max_connections", (
-                f"the server has {limit} connections open; the limit is max_connections={limit}"
-            )
-        limit = self.config.max_connections_per_peer
-        if self.per_peer[host] >= limit:
-            return "max_connections_per_peer", (
-                f"{host} has {limit} connections open; the limit is "
-                f"max_connections_per_peer={limit}"
-            )
-        return None
-
     def refuse(self, conn: socket.socket, cause: str, why: str) -> None:
-        """Tell a connection over a cap why (SETTINGS, GOAWAY), and close it: what it has sent
-        is read first, so that the close is not a reset that would lose the GOAWAY."""
+        """Tell a connection over a cap why (gRPC: SETTINGS and GOAWAY; HTTP: a 503), and close
+        it: what it has sent is read first, so that the close is not a reset that would lose
+        the answer."""
         self.refused(cause)
         conn.setblocking(False)
         with contextlib.suppress(OSError):
-            conn.send(refusal_preface() + goaway(ErrorCodes.ENHANCE_YOUR_CALM, 0, why))
+            conn.send(self.refusal(cause, why))
             conn.shutdown(socket.SHUT_WR)
             while conn.recv(65536):
                 pass
         conn.close()
-
-    def released(self, host: str) -> None:
-        """A connection the listener accepted has closed."""
-        self.num_connections -= 1
-        self.per_peer[host] -= 1
-        if not self.per_peer[host]:
-            del self.per_peer[host]
 
     def pause(self, seconds: float) -> None:
         loop = asyncio.get_running_loop()
