@@ -79,7 +79,8 @@ def http_client(host: str, port: int, max_tokens: int) -> None:
     ).encode()
     with socket.create_connection((host, port)) as sock:
         sock.sendall(
-            b"POST /v1/completions HTTP/1.1\r\nHost: localhost\r\nContent-Type: application/json\r\n"
+            b"POST /v1/completions HTTP/1.1\r\nHost: localhost\r\n"
+            b"Content-Type: application/json\r\n"
             b"Content-Length: %d\r\n\r\n%s" % (len(body), body)
         )
         while sock.recv(65536):

@@ -24,6 +24,14 @@ Recomputing a preempted request is served again, and counted again.
   shares two tenants trade the odd slot at most once every margin's worth of service.
 - The waiting queue (loom/engine/queue_share.py): a tenant's share of `max_waiting_requests` is
   its weight over the total weight of the tenants queued, itself included.
+- Inside a tenant, its connections share (the second level): admission takes, within the
+  tenant, the lowest `priority`, then the connection running the fewest requests, then the
+  earliest arrival; and when the slots are full, a request waits, and another connection of
+  its tenant runs two or more requests more than its own, that connection's newest request is
+  preempted at once (no margin: the tenant's usage does not change, and the two connections
+  end a slot apart at most, so nothing thrashes). Streams one connection does not read, or
+  floods, never hold a request on another connection of the tenant behind them: two programs
+  on one host, or users behind one NAT without keys, are one tenant.
 
 Worked example, max_num_seqs = 4, tenants a (weight 1) and b (weight 3), a running 4 long
 requests: b arrives with 6, lifted to a's counter; share_a = 4 * 1/4 = 1, share_b = 3. Once a
@@ -55,6 +63,7 @@ class Tenancy:
     tenant: str = ""
     weight: float = 1.0
     priority: int = 0
+    connection: str = ""  # the client connection it came on: inside a tenant, they share
 
 
 SHARED = Tenancy()  # one tenant for all, at weight 1 and priority 0: what an engine alone sees
@@ -119,7 +128,9 @@ class FairShare:
         weight = sum(self.weights[t] for t in wanting)
         return {t: total * self.weights[t] / weight for t in wanting}
 
-    def admission_order(self, waiting: Iterable[Request], policy: str) -> Iterator[Request]:
+    def admission_order(
+        self, waiting: Iterable[Request], running: Iterable[Request], policy: str
+    ) -> Iterator[Request]:
         """The unpaused waiting requests, next to admit first, by the scheduling policy: fair
         (below), priority (then arrival), fcfs (arrival). Lazy: what was admitted before (its
         service, counted as it is scheduled) orders what comes next."""
@@ -129,19 +140,34 @@ class FairShare:
                 ready.sort(key=lambda r: (r.tenancy.priority, r.arrival_time))
             yield from ready
             return
-        queues: dict[str, list[Request]] = {}
+        queues: dict[str, dict[str, list[Request]]] = {}  # tenant -> connection -> requests
         for request in waiting:
             if not request.paused:
-                queues.setdefault(request.tenant, []).append(request)
-        for queue in queues.values():  # the next one last, to pop; ties in queue order
-            queue.sort(key=lambda r: (r.tenancy.priority, r.arrival_time))
-            queue.reverse()
+                flows = queues.setdefault(request.tenant, {})
+                flows.setdefault(request.tenancy.connection, []).append(request)
+        for flows in queues.values():  # the next one last, to pop; ties in queue order
+            for queue in flows.values():
+                queue.sort(key=lambda r: (r.tenancy.priority, r.arrival_time))
+                queue.reverse()
+        usage = Counter(flow(r) for r in running if not r.paused)
         while queues:
             tenant = min(queues, key=lambda t: self.counters[t])
-            queue = queues[tenant]
+            flows = queues[tenant]
+            connection = min(
+                flows,
+                key=lambda c: (
+                    flows[c][-1].tenancy.priority,
+                    usage[tenant, c],
+                    flows[c][-1].arrival_time,
+                ),
+            )
+            queue = flows[connection]
             yield queue.pop()
+            usage[tenant, connection] += 1
             if not queue:
-                del queues[tenant]
+                del flows[connection]
+                if not flows:
+                    del queues[tenant]
 
     def rebalance(
         self, waiting: Iterable[Request], running: list[Request], max_num_seqs: int
@@ -159,6 +185,10 @@ class FairShare:
         shares = self.shares(max_num_seqs, self.backlogged())
         active = [r for r in running if not r.paused]
         victims: list[Request] = []
+        if num_free == 0:
+            victims = share_connections(waiting, active)
+            if victims:
+                return victims
         for tenant in sorted(wants, key=lambda t: self.counters[t]):
             num_wanted = min(wants[tenant], math.ceil(shares[tenant] - usage[tenant]))
             for _ in range(max(num_wanted, 0)):
@@ -183,3 +213,30 @@ class FairShare:
                     victims.append(victim)
                 usage[tenant] += 1
         return victims
+
+
+def flow(request: Request) -> tuple[str, str]:
+    """The second level's key: a request's tenant and its connection."""
+    return request.tenant, request.tenancy.connection
+
+
+def share_connections(waiting: Iterable[Request], active: list[Request]) -> list[Request]:
+    """With the slots full: the running requests to preempt so that, inside each tenant, a
+    waiting request's connection runs no fewer than a connection of its tenant running two or
+    more requests more (see the module's last point)."""
+    usage = Counter(flow(r) for r in active)
+    wants = Counter(flow(r) for r in waiting if not r.paused)
+    victims: list[Request] = []
+    for mine in sorted(wants, key=lambda k: usage[k]):
+        for _ in range(wants[mine]):
+            rivals = [k for k in usage if k[0] == mine[0] and k != mine and usage[k]]
+            most = max(rivals, key=lambda k: usage[k], default=None)
+            if most is None or usage[most] <= usage[mine] + 1:
+                break
+            newest = (r for r in reversed(active) if flow(r) == most)  # ties: the last admitted
+            victim = max(newest, key=lambda r: r.arrival_time)
+            active.remove(victim)
+            victims.append(victim)
+            usage[most] -= 1
+            usage[mine] += 1
+    return victims

@@ -162,7 +162,7 @@ class Scheduler:
         bm = self.block_manager
         num_active = self.num_active()  # counted once: this loop may see thousands waiting
         # Ordered on the first `next`: once there is room.
-        order = self.fair.admission_order(self.waiting, self.config.scheduling_policy)
+        order = self.fair.admission_order(self.waiting, self.running, self.config.scheduling_policy)
         while budget > 0 and num_active < self.config.max_num_seqs:
             if (request := next(order, None)) is None:
                 return

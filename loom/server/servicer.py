@@ -77,7 +77,9 @@ class LoomServicer(LoomBase):
                 prompt=wire.prompt_from(request),
                 sampling=wire.sampling_from(request.sampling),
                 cache_salt=request.cache_salt,
-                tenancy=wire.tenancy_from(request, tenant.name, tenant.weight),
+                tenancy=wire.tenancy_from(
+                    request, tenant.name, tenant.weight, f"grpc {call.peer.addr()}"
+                ),
             )
             relay = Relay(call, GrpcFraming(request_id), self.engine, self.bridge, self.live)
             timeout = call.deadline.time_remaining() if call.deadline else None

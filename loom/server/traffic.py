@@ -45,7 +45,7 @@ class Seat:
     def idle(self) -> None:
         if not (self.released or self.evicted):
             self.caps.idle.pop(self, None)
-            self.caps.idle[self] = None  # the newest idle: the last to be evicted
+            self.caps.idle[self] = None  # the newest idle: the last of its peer's evicted
 
     def busy(self) -> None:
         self.caps.idle.pop(self, None)
@@ -63,10 +63,13 @@ class Seat:
 
 class ConnectionCaps:
     """Open connections, in all and by peer address, whichever port they came to. At the cap
-    in all, a new connection takes the place of the connection that has carried no request for
-    longest (as nginx and Envoy reuse idle keep-alive connections), and is refused only when
-    every connection is busy, or when `MAX_EVICTING` evicted ones have yet to close (their
-    descriptors are freed a loop turn later)."""
+    in all, a new connection takes the place of a connection that carries no request: the one
+    idle the longest of the peer holding the most connections (as nginx and Envoy reuse idle
+    keep-alive connections; by peer, so that one holding many idle connections, or opening
+    them as fast as they are taken, evicts its own before another's one new connection whose
+    request is on its way). It is refused only when every connection is busy, or when
+    `MAX_EVICTING` evicted ones have yet to close (their descriptors are freed a loop turn
+    later)."""
 
     def __init__(self, config: BoundaryConfig) -> None:
         self.max_connections = min(config.max_connections, descriptor_room())
@@ -98,10 +101,10 @@ class ConnectionCaps:
         return None
 
     def make_room(self) -> bool:
-        """Evict the longest-idle connection; False if none is idle."""
+        """Evict an idle connection; False if none is idle."""
         if not self.idle or self.num_evicting >= MAX_EVICTING:
             return False
-        seat = next(iter(self.idle))
+        seat = max(self.idle, key=lambda s: self.per_peer[s.host])  # ties: idle the longest
         del self.idle[seat]
         seat.evicted = True
         self.num_evicting += 1

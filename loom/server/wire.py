@@ -152,12 +152,14 @@ def tenant_message(figures: TenantStats) -> pb.TenantStats:
     return pb.TenantStats(**attrs.asdict(figures))
 
 
-def tenancy_from(request: pb.GenerateRequest, tenant: str, weight: float) -> Tenancy:
+def tenancy_from(
+    request: pb.GenerateRequest, tenant: str, weight: float, connection: str
+) -> Tenancy:
     if not (-MAX_PRIORITY <= request.priority <= MAX_PRIORITY):
         raise InvalidRequestError(
             f"priority must be in [-{MAX_PRIORITY}, {MAX_PRIORITY}], got {request.priority}"
         )
-    return Tenancy(tenant=tenant, weight=weight, priority=request.priority)
+    return Tenancy(tenant=tenant, weight=weight, priority=request.priority, connection=connection)
 
 
 def model_info_message(info: ModelInfo) -> pb.ModelInfo:

@@ -168,3 +168,40 @@ def test_fair_share_preempts_a_tenant_above_its_share_of_the_slots_and_only_it()
 
 def fail() -> SchedulerOutput:
     raise AssertionError("nothing was scheduled")
+
+
+def test_fair_share_a_connection_of_the_tenant_gets_a_slot_at_once_without_thrash() -> None:
+    """Inside one tenant: connection x holds every slot with long requests (a client that does
+    not read, or floods); a request on connection y of the same tenant is admitted in the very
+    next step, x's newest request preempted for it; then nothing moves (x holds 3, y 1). With
+    the tenant level alone, y waited for one of x's requests to end."""
+    blocks = BlockManager(num_blocks=512, block_size=4, enable_caching=False)
+    scheduler = Scheduler(SchedulerConfig(max_num_seqs=4, max_num_batched_tokens=32), blocks)
+    x, y = Tenancy(tenant="a", connection="x"), Tenancy(tenant="a", connection="y")
+    for i in range(6):
+        scheduler.add_request(request(f"x{i}", 4, 200, x, 0.0))
+    scheduler.update(output := scheduler.schedule(0.0) or fail(), sampled(output), 0.0)
+    scheduler.add_request(request("y0", 4, 200, y, 1.0))
+    output = scheduler.schedule(1.0) or fail()
+    assert "y0" in {seq.request_id for seq in output.sequences}
+    scheduler.update(output, sampled(output), 1.0)
+    for now in range(2, 40):
+        scheduler.update(output := scheduler.schedule(now) or fail(), sampled(output), now)
+    connections = Counter(r.tenancy.connection for r in scheduler.running)
+    assert connections == {"x": 3, "y": 1}
+    assert scheduler.num_preemptions == 1
+    assert [r.request_id for r in scheduler.waiting if r.num_preemptions] == ["x3"]
+
+
+def test_fair_share_a_tenant_s_connections_are_admitted_in_turn() -> None:
+    """Free slots go to the tenant's connection running the fewest, not to the earliest
+    arrivals: x queued 6 before y's 2, and 4 slots go x, y, x, y."""
+    blocks = BlockManager(num_blocks=512, block_size=4, enable_caching=False)
+    scheduler = Scheduler(SchedulerConfig(max_num_seqs=4, max_num_batched_tokens=64), blocks)
+    x, y = Tenancy(tenant="a", connection="x"), Tenancy(tenant="a", connection="y")
+    for i in range(6):
+        scheduler.add_request(request(f"x{i}", 4, 200, x, 0.0))
+    for i in range(2):
+        scheduler.add_request(request(f"y{i}", 4, 200, y, 0.5))
+    output = scheduler.schedule(1.0) or fail()
+    assert [seq.request_id for seq in output.sequences] == ["x0", "y0", "x1", "y1"]

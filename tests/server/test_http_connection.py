@@ -8,6 +8,7 @@ Loopback only, port 0, a timeout on every I/O.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import re
 import socket
@@ -19,6 +20,7 @@ from loom.model.sim import SimRunner, load_sim
 from loom.server.boundary.config import BoundaryConfig
 from loom.server.openai.config import HttpConfig
 from tests.http_client import HOST, post
+from tests.server.test_http_api import until
 from tests.server_harness import serving
 
 HTTP = HttpConfig(http_port=0)
@@ -166,6 +168,7 @@ async def test_http_connection_a_foreign_host_is_refused_and_cors_is_only_for_na
     assert not any(k.lower().startswith("access-control") for k in foreign[1])
     assert named[1].get("Access-Control-Allow-Origin") == "https://app.example"
     assert preflight[0] == 204
+    assert "Content-Length" not in preflight[1]  # none on a 204 (RFC 9110 8.6)
     assert "POST" in preflight[1]["Access-Control-Allow-Methods"]
     assert evil_preflight[0] == 405
     assert not any(k.lower().startswith("access-control") for k in evil_preflight[1])
@@ -185,3 +188,76 @@ async def test_http_connection_pipelined_requests_are_answered_in_order() -> Non
             sock.close()
     statuses = re.findall(rb"HTTP/1\.1 (\d{3}) ", reply)
     assert statuses == [b"405", b"404", b"200"], reply
+
+
+def conversation(port: int, data: bytes, then: bytes = b"", seconds: float = 10) -> bytes:
+    """Send `data`, then (0.1 s on) `then`; what comes back until the server closes."""
+    sock = socket.create_connection((HOST, port))
+    try:
+        sock.sendall(data)
+        if then:
+            time.sleep(0.1)
+            sock.sendall(then)
+        return read_all(sock, seconds)
+    finally:
+        sock.close()
+
+
+async def test_http_connection_framing_the_client_gets_wrong_or_odd_is_answered_right() -> None:
+    """Both Content-Length and Transfer-Encoding (smuggling): 400, closed. A byte after a
+    request that said it was the last: dropped, the request still answered. HEAD: a head and
+    no body, the connection serving on. A blank line before a request, alone or pipelined
+    after the one before: let pass (RFC 9112).
+    Found by a hostile review of the first h11 version, each a failure there."""
+    smuggled = (
+        b"POST /v1/models HTTP/1.1\r\nHost: localhost\r\nContent-Length: 50\r\n"
+        b"Transfer-Encoding: chunked\r\n\r\n0\r\n\r\n"
+        b"GET /v1/models HTTP/1.1\r\nHost: localhost\r\n\r\n"
+    )
+    head = b"HEAD /version HTTP/1.1\r\nHost: localhost\r\n\r\n"
+    get = b"\r\nGET /version HTTP/1.1\r\nHost: localhost\r\nConnection: close\r\n\r\n"
+    async with serving(load_sim(SIM), make_runner=SimRunner, http=HTTP) as (server, _):
+        port = server.http_port or 0
+        with trio.fail_after(30):
+            two = await trio.to_thread.run_sync(conversation, port, smuggled)
+            last = await trio.to_thread.run_sync(
+                conversation, port, request(extra=b"Connection: close\r\n"), b"\r\nX"
+            )
+            heads = await trio.to_thread.run_sync(conversation, port, head, get)
+            pipelined = await trio.to_thread.run_sync(conversation, port, head + get)
+    assert re.findall(rb"HTTP/1\.1 (\d{3}) ", two) == [b"400"], two
+    assert b"Content-Length and Transfer-Encoding" in two
+    assert last.startswith(b"HTTP/1.1 200"), last
+    assert b'"choices"' in last
+    assert re.findall(rb"HTTP/1\.1 (\d{3}) ", heads) == [b"405", b"200"], heads
+    assert heads.count(b"{") == 1  # the 405 to HEAD has no body; the GET's is whole
+    assert re.findall(rb"HTTP/1\.1 (\d{3}) ", pipelined) == [b"405", b"200"], pipelined
+
+
+async def test_http_connection_a_client_that_reads_nothing_is_cut_off_at_the_write_timeout() -> (
+    None
+):
+    """Pipelined GETs from a client that never reads fill the write buffers: the connection is
+    aborted `write_timeout` later and its place is given back (before: held for as long as the
+    client stayed, outside any timeout, and a close never finished)."""
+    boundary = BoundaryConfig(write_timeout=1.0, write_buffer_bytes=16 << 10)
+    async with serving(load_sim(SIM), make_runner=SimRunner, http=HTTP, boundary=boundary) as (
+        server,
+        _,
+    ):
+        port = server.http_port or 0
+        caps = server.grpc.traffic.caps
+        with trio.fail_after(30):
+            sock = socket.socket()
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
+            sock.connect((HOST, port))
+            sock.settimeout(2)
+            start = time.monotonic()
+            with contextlib.suppress(TimeoutError):  # the server stops reading, its turn to wait
+                sock.sendall(b"GET /v1/models HTTP/1.1\r\nHost: localhost\r\n\r\n" * 2000)
+            await until(lambda: caps.num_connections == 1, 10)
+            await until(lambda: caps.num_connections == 0, 10)
+            seconds = time.monotonic() - start
+            sock.close()
+    assert caps.num_connections == 0
+    assert 0.5 <= seconds <= 6, seconds

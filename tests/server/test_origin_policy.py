@@ -52,3 +52,16 @@ def test_origin_policy_cors_headers_only_for_named_origins() -> None:
     assert policy.cors("https://evil.example") == {}
     assert policy.cors(None) == {}
     assert OriginPolicy("127.0.0.1", None, ("*",)).cors("https://any.example") != {}
+
+
+def test_origin_policy_odd_hosts_and_entries() -> None:
+    """A bracket followed by a name is not an address; entries are compared as Hosts are
+    (their port and final dot dropped, lowercased); a preflight allows what it asks for."""
+    policy = OriginPolicy("127.0.0.1", None, ())
+    assert not policy.host_allowed("[::1].evil.example")
+    assert not policy.host_allowed("[::1]x")
+    named = OriginPolicy("0.0.0.0", ("Loom.Internal.:8000",), ())
+    assert named.host_allowed("loom.internal")
+    asked = "x-stainless-os, content-type"
+    assert policy.preflight(asked)["Access-Control-Allow-Headers"] == asked
+    assert "Authorization" in policy.preflight(None)["Access-Control-Allow-Headers"]

@@ -30,28 +30,33 @@ SIM = "sim:step_ms=1,seq_ms=0,token_ms=0"
 BODY = json.dumps({"prompt": [3, 4, 5], "max_tokens": 2}).encode()
 
 
-def test_traffic_at_the_cap_the_longest_idle_connection_makes_room() -> None:
-    caps = ConnectionCaps(BoundaryConfig(max_connections=3, max_connections_per_peer=3))
+def test_traffic_at_the_cap_an_idle_connection_of_the_peer_holding_most_makes_room() -> None:
+    """Victims: the peer with the most connections first (a squatter holding several, or
+    opening them as fast as they are taken, evicts its own), then the connection idle the
+    longest; never a busy one; each seat released once."""
+    caps = ConnectionCaps(BoundaryConfig(max_connections=4, max_connections_per_peer=4))
     evicted: list[str] = []
-    seats = []
-    for name in ("a", "b", "c"):
-        seat = caps.take(name)
+    seats = {}
+    for name, host in (("a1", "a"), ("a2", "a"), ("b1", "b"), ("c1", "c")):
+        seat = caps.take(host)
         seat.evict = lambda name=name: evicted.append(name)  # type: ignore[misc]
-        seats.append(seat)
-    a, b, c = seats
-    b.idle()
-    a.idle()
-    c.busy()
-    assert caps.over_cap("d") is None  # b has been idle longest: it goes
-    assert evicted == ["b"]
+        seats[name] = seat
+    for name in ("b1", "a1", "a2"):
+        seats[name].idle()
+    seats["c1"].busy()
+    assert caps.over_cap("d") is None  # a holds two: its longest idle goes, not b's older one
+    assert evicted == ["a1"]
     d = caps.take("d")
-    a.busy()
-    refusal = caps.over_cap("e")  # a, c and d are busy
+    assert caps.over_cap("e") is None  # a and b hold one each: b1 has been idle longest
+    assert evicted == ["a1", "b1"]
+    e = caps.take("e")
+    seats["a2"].busy()
+    refusal = caps.over_cap("f")  # a2, c1, d and e are busy
     assert refusal is not None
     assert refusal[0] == "max_connections"
-    b.release()  # the evicted one closes: its place was given already
-    assert caps.num_connections == 3
-    for seat in (a, c, d, d):
+    seats["a1"].release()  # an evicted one closes: its place was given already
+    assert caps.num_connections == 4
+    for seat in (seats["a1"], seats["b1"], seats["a2"], seats["c1"], d, e, e):
         seat.release()  # once only
     assert caps.num_connections == 0
     assert not caps.per_peer

@@ -108,7 +108,9 @@ class OpenAIApi:
                     tokens=TokenTexts(tokenizer, as_ids=ask.tokens_as_ids),
                     echoes=echoes(tokenizer, ask.prompts) if ask.echo else (),
                 )
-                tenancy = Tenancy(tenant=tenant.name, weight=tenant.weight)
+                tenancy = Tenancy(
+                    tenant=tenant.name, weight=tenant.weight, connection=f"http {request.peer}"
+                )
                 relay = Relay(exchange, framing, self.engine, self.bridge, self.live)
                 await relay.run(request_id, ask.submissions(tenancy), time_left)
         except StreamEndedError:

@@ -32,7 +32,7 @@ from loom.server.openai.connection import HttpConnection
 from loom.server.openai.errors import HttpError
 from loom.server.openai.exchange import Exchange, reply_error
 from loom.server.openai.message import HttpRequest, Response
-from loom.server.openai.origin_policy import PREFLIGHT, OriginPolicy
+from loom.server.openai.origin_policy import OriginPolicy
 from loom.server.traffic import Seat, Traffic
 
 log = logging.getLogger(__name__)
@@ -60,7 +60,10 @@ class HttpFront:
         self.on_refused = on_refused
         self.tls = tls
         self.origins = OriginPolicy(http.http_host, http.allowed_hosts, http.allowed_origins)
-        self.listener = Listener(self.caps, self.accepted, on_refused, refusal)
+        # Over a cap under TLS, a connection is closed unanswered (a plaintext 503 would reach
+        # the client as garbage; its handshake has not begun).
+        answer = refusal if tls is None else (lambda _cause, _why: b"")
+        self.listener = Listener(self.caps, self.accepted, on_refused, answer)
         self.connections: dict[HttpConnection, Seat] = {}  # each one's place under the caps
         self.phase = DrainPhase.SERVING
 
@@ -127,7 +130,8 @@ class HttpFront:
             await reply_error(response, HttpError(503, "the server is draining", code="draining"))
             return
         if request.method == "OPTIONS" and response.headers:  # a preflight from an allowed origin
-            await response.reply(204, headers=PREFLIGHT)
+            asked = request.headers.get("access-control-request-headers")
+            await response.reply(204, headers=self.origins.preflight(asked))
             return
         exchange = Exchange(request, response, self.arriving, self.num_in_flight, self.budget)
         response.when_lost.append(exchange.lost)

@@ -1,7 +1,9 @@
 """What a request's head must be to reach the handler, and what a head that is not is told.
 
 Before the handler runs: at most `MAX_HEADER_LINES` header lines (431; the head's bytes are
-bounded by h11 as it parses, `max_header_bytes`), and a `Host` the front answers to (400,
+bounded by h11 as it parses, `max_header_bytes`); not both `Content-Length` and
+`Transfer-Encoding` (400: two framings are how requests are smuggled past a proxy that reads
+the other, RFC 9112 6.1); and a `Host` the front answers to (400,
 loom/server/openai/origin_policy.py). Bytes that are not HTTP/1.1, or a head over its bytes,
 are answered by the connection itself (`malformed`): no request exists to hand on.
 """
@@ -10,6 +12,7 @@ from __future__ import annotations
 
 import asyncio
 from collections.abc import Awaitable, Callable, Mapping
+from http import HTTPStatus
 
 import h11
 
@@ -46,6 +49,12 @@ def head_refusal(
             431,
             f"the request has {lines} header lines; the limit is {MAX_HEADER_LINES}",
             code="max_header_lines",
+        )
+    if "content-length" in headers and "transfer-encoding" in headers:
+        return HttpError(
+            400,
+            "the request has both Content-Length and Transfer-Encoding",
+            code="malformed_request",
         )
     host = headers.get("host")
     if not host_allowed(host):
@@ -85,6 +94,7 @@ def answer(connection: h11.Connection, error: HttpError) -> bytes:
     body = error.encoded()
     head = h11.Response(
         status_code=error.status,
+        reason=HTTPStatus(error.status).phrase,
         headers=[
             ("Content-Type", "application/json"),
             ("Content-Length", str(len(body))),

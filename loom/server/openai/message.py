@@ -21,6 +21,7 @@ import h11
 BODY_CHUNK = 64 * 1024  # a body's bytes that may wait unread before the socket is not read
 JSON = "application/json"
 STATUSES = {status.value for status in HTTPStatus}
+NO_BODY = (204, 304)
 
 
 class Body:
@@ -101,7 +102,7 @@ class Response:
         abort: Callable[[], None],
         headers: Mapping[str, str],
         body: Body,
-        chunks: bool,
+        framing: str,
     ) -> None:
         self.send = send
         self.writable = writable
@@ -109,8 +110,11 @@ class Response:
         self.headers = dict(headers)  # every response's (CORS), added to the handler's
         self.body = body  # the request's: a response sent before it has all come closes after
         self.close_after = False  # `Connection: close` (a drain has begun)
-        self.chunks = chunks  # an HTTP/1.1 client: a body of unknown length goes in chunks
-        self.chunked = False  # this one does (framed here: h11's framing costs 2.5 us a write)
+        # "chunks": an HTTP/1.1 client, whose body of unknown length goes in chunks (framed
+        # here: h11's framing costs 2.5 us a write); "head": a HEAD request's, with no body;
+        # "": an HTTP/1.0 client's, ended by the close
+        self.framing = framing
+        self.chunked = False  # this response's body goes in chunks
         self.status: int | None = None
         self.ended = False
         self.when_lost: list[Callable[[], None]] = []
@@ -123,9 +127,9 @@ class Response:
         """The head; without `length`, the body is chunked (HTTP/1.0: ends with the
         connection)."""
         fields = {**self.headers, **headers}
-        if length is not None:
+        if status not in NO_BODY and length is not None:
             fields["Content-Length"] = str(length)
-        elif self.chunks:
+        elif status not in NO_BODY and self.framing == "chunks":
             fields["Transfer-Encoding"] = "chunked"
             self.chunked = True
         if self.close_after or not self.body.ended:
@@ -137,9 +141,11 @@ class Response:
         await self.send(head)
 
     async def write(self, data: bytes) -> None:
-        if data and self.chunked:
+        if not data or self.framing == "head" or self.status in NO_BODY:
+            return
+        if self.chunked:
             await self.send(b"%x\r\n%s\r\n" % (len(data), data))
-        elif data:
+        else:
             await self.send(h11.Data(data=data))
 
     async def end(self) -> None:

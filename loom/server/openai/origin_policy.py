@@ -19,11 +19,8 @@ from __future__ import annotations
 
 import ipaddress
 
-PREFLIGHT = {
-    "Access-Control-Allow-Methods": "GET, POST",
-    "Access-Control-Allow-Headers": "Authorization, Content-Type, X-Request-Id, X-Request-Timeout",
-    "Access-Control-Max-Age": "600",
-}
+PREFLIGHT = {"Access-Control-Allow-Methods": "GET, POST", "Access-Control-Max-Age": "600"}
+HEADERS = "Authorization, Content-Type, X-Request-Id, X-Request-Timeout"
 
 
 class OriginPolicy:
@@ -33,7 +30,7 @@ class OriginPolicy:
         allowed_hosts: tuple[str, ...] | None,
         allowed_origins: tuple[str, ...],
     ) -> None:
-        self.allowed_hosts = None if allowed_hosts is None else {h.lower() for h in allowed_hosts}
+        self.allowed_hosts = None if allowed_hosts is None else set(map(allowed, allowed_hosts))
         self.local_only = allowed_hosts is None and is_loopback(listen_host)
         self.allowed_origins = set(allowed_origins)
 
@@ -50,6 +47,11 @@ class OriginPolicy:
             return True
         return name == "localhost" or name.endswith(".localhost") or is_address(name)
 
+    def preflight(self, asked: str | None) -> dict[str, str]:
+        """A preflight's answer, for an allowed origin: the headers it asks to send (an SDK's
+        own, say), or Loom's."""
+        return {**PREFLIGHT, "Access-Control-Allow-Headers": asked or HEADERS}
+
     def cors(self, origin: str | None) -> dict[str, str]:
         """The CORS headers for every response to a request from `origin`."""
         if origin is None or not (origin in self.allowed_origins or "*" in self.allowed_origins):
@@ -61,11 +63,19 @@ def host_name(host_header: str) -> str:
     """`Host: [::1]:8000` -> `::1`; `Example.COM.:80` -> `example.com`."""
     text = host_header.strip().lower()
     if text.startswith("["):
-        return text[1:].partition("]")[0]
+        address, _, rest = text[1:].partition("]")
+        return address if rest == "" or (rest[:1] == ":" and rest[1:].isdigit()) else text
     name, colon, port = text.rpartition(":")
     if colon and port.isdigit():
         text = name
     return text.rstrip(".")
+
+
+def allowed(entry: str) -> str:
+    """An `--allowed-hosts` entry as a Host's name is compared: `.example.com` and `*` kept,
+    a port or a final dot dropped, lowercased."""
+    entry = entry.strip().lower()
+    return entry if entry == "*" or entry.startswith(".") else host_name(entry)
 
 
 def is_address(name: str) -> bool:
