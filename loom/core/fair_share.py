@@ -224,12 +224,13 @@ def share_connections(waiting: Iterable[Request], active: list[Request]) -> list
     """With the slots full: the running requests to preempt so that, inside each tenant, a
     waiting request's connection runs no fewer than a connection of its tenant running two or
     more requests more (see the module's last point)."""
-    usage = Counter(flow(r) for r in active)
+    usage = Counter(flow(r) for r in active)  # running, and the slots already given
+    held = Counter(usage)  # running: what can be preempted
     wants = Counter(flow(r) for r in waiting if not r.paused)
     victims: list[Request] = []
     for mine in sorted(wants, key=lambda k: usage[k]):
         for _ in range(wants[mine]):
-            rivals = [k for k in usage if k[0] == mine[0] and k != mine and usage[k]]
+            rivals = [k for k in held if k[0] == mine[0] and k != mine and held[k]]
             most = max(rivals, key=lambda k: usage[k], default=None)
             if most is None or usage[most] <= usage[mine] + 1:
                 break
@@ -237,6 +238,7 @@ def share_connections(waiting: Iterable[Request], active: list[Request]) -> list
             victim = max(newest, key=lambda r: r.arrival_time)
             active.remove(victim)
             victims.append(victim)
+            held[most] -= 1
             usage[most] -= 1
             usage[mine] += 1
     return victims

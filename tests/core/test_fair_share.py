@@ -4,7 +4,8 @@ by step with no model: any arrival pattern of N tenants with weights.
 - While every tenant is backlogged (has requests waiting), the tokens each is served, over its
   weight, stay within a bound of the others' (the Virtual Token Counter's guarantee, its bound
   widened by what one step can serve a tenant): fair; FCFS breaks the same bound.
-- No request starves: every one finishes.
+- No request starves: every one finishes (each tenant's requests come on three connections,
+  which share its slots: the second level).
 - Idle again, every block is free and no tenant's counter is left.
 """
 
@@ -13,6 +14,7 @@ from __future__ import annotations
 import itertools
 from collections import Counter
 
+import attrs
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -82,7 +84,8 @@ def run(policy: str, weights: list[float], arrivals: Arrivals) -> tuple[float, S
         while by_step and by_step[0][0] <= now:
             _, tenant, num_prompt, num_output = by_step.pop(0)
             name = f"r{len(arrivals) - len(by_step)}"
-            scheduler.add_request(request(name, num_prompt, num_output, tenants[tenant], now))
+            tenancy = attrs.evolve(tenants[tenant], connection=f"c{num_prompt % 3}")
+            scheduler.add_request(request(name, num_prompt, num_output, tenancy, now))
         backlogged = {r.tenant for r in scheduler.waiting} == {t.tenant for t in tenants}
         output = scheduler.schedule(float(now))
         if output is None:
@@ -205,3 +208,21 @@ def test_fair_share_a_tenant_s_connections_are_admitted_in_turn() -> None:
         scheduler.add_request(request(f"y{i}", 4, 200, y, 0.5))
     output = scheduler.schedule(1.0) or fail()
     assert [seq.request_id for seq in output.sequences] == ["x0", "y0", "x1", "y1"]
+
+
+def test_fair_share_connections_given_slots_this_step_are_not_taken_from() -> None:
+    """x runs 6 of 6 slots; y and z (same tenant) wait 3 each. y is given slots from x, then
+    z: a slot given to y in this step is not one z can preempt (CI: the engine crashed on
+    `max()` of no requests when a connection held only given slots)."""
+    blocks = BlockManager(num_blocks=512, block_size=4, enable_caching=False)
+    scheduler = Scheduler(SchedulerConfig(max_num_seqs=6, max_num_batched_tokens=64), blocks)
+    tenancies = {c: Tenancy(tenant="a", connection=c) for c in "xyz"}
+    for i in range(6):
+        scheduler.add_request(request(f"x{i}", 4, 200, tenancies["x"], 0.0))
+    scheduler.update(output := scheduler.schedule(0.0) or fail(), sampled(output), 0.0)
+    for c in "yz":
+        for i in range(3):
+            scheduler.add_request(request(f"{c}{i}", 4, 200, tenancies[c], 1.0))
+    for now in range(1, 20):
+        scheduler.update(output := scheduler.schedule(now) or fail(), sampled(output), now)
+    assert Counter(r.tenancy.connection for r in scheduler.running) == {"x": 2, "y": 2, "z": 2}
