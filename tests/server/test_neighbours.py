@@ -16,6 +16,8 @@ import statistics
 import subprocess
 import sys
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 from grpclib.client import Channel
@@ -29,6 +31,24 @@ NUM_LONG = 64
 NUM_QUEUED = 300
 NEIGHBOUR = [sys.executable, "-m", "tests.neighbour"]
 SIM = "sim:step_ms=1,seq_ms=0.01,max_len=8192"
+
+
+@contextmanager
+def tenant_a(port: int, key: str, num_queued: int) -> Iterator[subprocess.Popen[str]]:
+    """Tenant A's process (tests/neighbour.py), once it has sent every request; killed, its
+    pipes closed, whatever happens."""
+    with subprocess.Popen(
+        [*NEIGHBOUR, HOST, str(port), key, str(NUM_LONG), str(num_queued)],
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        text=True,
+    ) as a:
+        assert a.stdout is not None
+        try:
+            assert a.stdout.readline() == "sent\n"
+            yield a
+        finally:
+            a.kill()
 
 
 async def ttft_and_tokens(port: int, key: str) -> tuple[float, int]:
@@ -56,21 +76,11 @@ def test_neighbours_a_tenant_holding_every_slot_leaves_the_next_its_share(tmp_pa
     serve = ["--model", SIM, "--api-key-file", str(keys)]
     with launched_process(serve) as (port, _):
         idle = statistics.median(run_client(ttft_and_tokens, port, "key-b")[0] for _ in range(5))
-        with subprocess.Popen(
-            [*NEIGHBOUR, HOST, str(port), "key-a", str(NUM_LONG), str(NUM_QUEUED)],
-            stdin=subprocess.PIPE,
-            stdout=subprocess.PIPE,
-            text=True,
-        ) as a:
-            assert a.stdout is not None
-            try:
-                assert a.stdout.readline() == "sent\n"
-                stats = run_client(server_stats, port, "key-a")
-                loaded, received = run_client(ttft_and_tokens, port, "key-b")
-                out, _ = a.communicate("read\n", timeout=180)  # A reads again: all streams end
-                outcome = json.loads(out.splitlines()[-1])
-            finally:
-                a.kill()
+        with tenant_a(port, "key-a", NUM_QUEUED) as a:
+            stats = run_client(server_stats, port, "key-a")
+            loaded, received = run_client(ttft_and_tokens, port, "key-b")
+            out, _ = a.communicate("read\n", timeout=180)  # A reads again: all streams end
+            outcome = json.loads(out.splitlines()[-1])
     print(f"B's TTFT: idle {idle * 1000:.1f} ms, beside A {loaded * 1000:.1f} ms; A: {outcome}")
     print(f"A held {stats.num_running} running, {stats.num_waiting} waiting")
     assert received == 8
@@ -98,19 +108,9 @@ def test_neighbours_inside_a_tenant_unread_streams_on_two_connections_hold_no_th
     read, 10-16 ms (the load's own cost; the issue's 3x is not met)."""
     with launched_process(["--model", SIM]) as (port, _):
         idle = statistics.median(run_client(ttft_and_tokens, port, "unused")[0] for _ in range(5))
-        with subprocess.Popen(
-            [*NEIGHBOUR, HOST, str(port), "unused", str(NUM_LONG), "0"],
-            stdin=subprocess.PIPE,
-            stdout=subprocess.PIPE,
-            text=True,
-        ) as a:
-            assert a.stdout is not None
-            try:
-                assert a.stdout.readline() == "sent\n"
-                held = run_client(server_stats, port, "unused").num_running
-                loaded = [run_client(ttft_and_tokens, port, "unused") for _ in range(3)]
-            finally:
-                a.kill()
+        with tenant_a(port, "unused", 0):
+            held = run_client(server_stats, port, "unused").num_running
+            loaded = [run_client(ttft_and_tokens, port, "unused") for _ in range(3)]
     firsts = [first for first, _ in loaded]
     print(
         f"TTFT: idle {idle * 1000:.1f} ms; beside 64 unread streams of its own address "
