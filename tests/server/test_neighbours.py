@@ -104,7 +104,7 @@ def test_neighbours_inside_a_tenant_unread_streams_on_two_connections_hold_no_th
     first token within 1 s and 20x its idle TTFT (the median of three readers): the tenant's
     connections share its slots (loom/core/fair_share.py, the second level), the reader's
     request admitted in the next step. Before, it waited for one of the long streams to end
-    (28 s). Measured on 2 cores: 19-67 ms against 4-6 ms idle; beside 64 streams that are
+    (26-28 s). Measured on 2 cores: 19-67 ms against 4-6 ms idle; beside 64 streams that are
     read, 10-16 ms (the load's own cost; the issue's 3x is not met)."""
     with launched_process(["--model", SIM]) as (port, _):
         idle = statistics.median(run_client(ttft_and_tokens, port, "unused")[0] for _ in range(5))
