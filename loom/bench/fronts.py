@@ -32,7 +32,7 @@ from loom.bench.metrics import RequestTiming
 from loom.v1 import loom_pb2 as pb
 from loom.v1.loom_grpc import LoomStub
 
-FRONT_THREAD_NICE = 19  # loom/server/grpc_thread.py: LOWEST_PRIORITY
+FRONT_THREAD_NICE = 19  # loom/server/io_thread.py: LOWEST_PRIORITY
 
 
 class Front(Protocol):

@@ -30,40 +30,34 @@ closes the connection: heard too. grpclib's client drops the messages it has not
 GOAWAY comes, so only a proxy's busy connection (a window of 2^30 or more: nginx's is 2^31-1)
 is told while busy; the others are left to close when their clients are done.
 
-Each phase's meaning for a connection is in loom/server/boundary/ (`Endpoint.enter`,
-`Connection.announce_drain`, `Connection.refuse_new_calls`); its timing is here.
+Each phase's meaning for a connection is in the fronts (`Endpoint.enter`, with
+`Connection.announce_drain` and `Connection.refuse_new_calls`; `HttpFront.enter`); its
+timing is here.
 """
 
 from __future__ import annotations
 
-import enum
 import logging
-from typing import TYPE_CHECKING
+from collections.abc import Callable
 
 import trio
 
-if TYPE_CHECKING:
-    from loom.engine.engine import Engine
-    from loom.server.grpc_thread import GrpcThread
+from loom.server.io_thread import Io
+from loom.server.traffic import DrainPhase
 
 log = logging.getLogger(__name__)
 GRACE = 0.25  # at least this long between the announcement and refusing (RFC 9113 §6.8)
 HEARD_WAIT = 5.0  # at most this long for the peers to hear, then for the calls to arrive
 
 
-class DrainPhase(enum.Enum):
-    SERVING = "serving"
-    ANNOUNCED = "announced"
-    REFUSING = "refusing"
-    CLOSED = "closed"
-
-
 class Drain:
-    def __init__(self, grpc: GrpcThread, engine: Engine, timeout: float) -> None:
-        self.grpc = grpc
-        self.engine = engine
+    """The drain's timing, and its phase: entered here, and nowhere else."""
+
+    def __init__(self, io: Io, drain_engine: Callable[[], None], timeout: float) -> None:
+        self.io = io
+        self.drain_engine = drain_engine  # the engine takes no more requests
         self.timeout = timeout
-        self.phase = DrainPhase.SERVING  # the trio side's view; the endpoint keeps its own
+        self.phase = DrainPhase.SERVING  # the trio side's view; the ledger's follows it
         self.deadline: float | None = None
         self.done = trio.Event()
 
@@ -71,12 +65,12 @@ class Drain:
         """The whole drain; `done` is set at its end, whatever happened."""
         start = trio.current_time()
         self.deadline = deadline = start + self.timeout
+        io, traffic = self.io, self.io.traffic
         try:
-            await self.enter(DrainPhase.ANNOUNCED, "unheard", min(start + HEARD_WAIT, deadline))
+            await self.enter(DrainPhase.ANNOUNCED, min(start + HEARD_WAIT, deadline))
             await trio.sleep_until(min(start + GRACE, deadline))
-            now = trio.current_time()
-            await self.enter(DrainPhase.REFUSING, "arriving", min(now + HEARD_WAIT, deadline))
-            self.engine.drain()
+            await self.enter(DrainPhase.REFUSING, min(trio.current_time() + HEARD_WAIT, deadline))
+            self.drain_engine()
             with trio.move_on_at(deadline):
                 await engine_done.wait()
             if not engine_done.is_set():
@@ -84,19 +78,24 @@ class Drain:
                 engine_scope.cancel()
                 await engine_done.wait()
             with trio.move_on_at(deadline):
-                await self.grpc.until_zero("num_in_flight")
-                if self.grpc.num_connections:
-                    log.info("waiting for %d connections to close", self.grpc.num_connections)
-                await self.grpc.until_zero("num_connections")
+                await io.until_zero(traffic.in_flight)
+                if io.num_connections:
+                    log.info("waiting for %d connections to close", io.num_connections)
+                await io.until_zero(traffic.connections)
             self.phase = DrainPhase.CLOSED
         finally:
             self.done.set()
 
-    async def enter(self, phase: DrainPhase, count: str, until: float) -> None:
-        """Enter `phase` at the endpoint, then wait for its count to reach zero (or `until`)."""
+    async def enter(self, phase: DrainPhase, until: float) -> None:
+        """Every front enters `phase`, then the wait for what it waits on (or `until`): that
+        every peer told has heard, after the announcement; that every request admitted has
+        reached the engine, once refusing."""
         self.phase = phase
         if phase is DrainPhase.ANNOUNCED:
-            self.grpc.set_serving(False)
-        if self.grpc.enter(phase):
+            self.io.set_serving(False)
+        count = (
+            self.io.traffic.unheard if phase is DrainPhase.ANNOUNCED else self.io.traffic.arriving
+        )
+        if self.io.enter(phase):
             with trio.move_on_at(until):
-                await self.grpc.until_zero(count)
+                await self.io.until_zero(count)

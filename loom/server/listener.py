@@ -1,5 +1,5 @@
 """A listening socket, accepted by hand so that the connection caps hold at the accept itself;
-one for each port (gRPC, HTTP), all counting against one set of caps (loom/server/traffic.py).
+one for each port (gRPC, HTTP), all counting against one set of caps (loom/server/caps.py).
 
 asyncio's own server accepts as many connections as wait, and only then runs their protocols:
 a burst of 1,100 takes 1,100 descriptors before any cap is checked, and past the descriptor
@@ -21,7 +21,7 @@ import socket
 import struct
 from collections.abc import Callable
 
-from loom.server.traffic import ConnectionCaps, Seat
+from loom.server.caps import ConnectionCaps, Seat
 
 log = logging.getLogger(__name__)
 BACKLOG = 1024  # the listen queue (nginx: 511; grpclib: 100, too few for a burst of clients)

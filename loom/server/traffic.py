@@ -1,136 +1,67 @@
-"""What the server's fronts share, counted in the asyncio thread: the connections (one cap in
-all and one per peer address, across the gRPC and HTTP ports, within the descriptor limit) and
-the request bytes being received (one budget for both ports' bodies and messages).
+"""The traffic ledger: what the server's fronts (the gRPC endpoint, the HTTP front) share, kept
+in the I/O thread. One drain phase, the counts the drain waits on, one set of connection caps
+(loom/server/caps.py), one budget for the request bytes being received, and the fronts that a
+phase change and the close fan out to.
 
-The caps stay `FD_RESERVE` below the descriptor limit, whose soft value is first raised to the
-hard one (as Go's runtime does at start), so accepting never fails for want of a descriptor.
+The trio side reads none of it directly: it waits on a count through the I/O thread's handle
+(`Io.until_zero`, loom/server/io_thread.py) and enters a phase through it.
 """
 
 from __future__ import annotations
 
-import contextlib
-import logging
-import resource
-from collections import Counter
-from collections.abc import Callable
+import enum
+from typing import Protocol
 
 from loom.server.boundary.config import BoundaryConfig
-
-log = logging.getLogger(__name__)
-FD_RESERVE = 64  # descriptors left for the model's files, logs, the metrics port, threads
-MAX_EVICTING = FD_RESERVE // 2  # evicted connections not yet closed (their descriptors held)
+from loom.server.bridge import Count
+from loom.server.caps import ConnectionCaps
 
 
-def descriptor_room() -> int:
-    """Connections the descriptor limit leaves room for, after raising it to the hard limit."""
-    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
-    if soft < hard:
-        with contextlib.suppress(ValueError, OSError):
-            resource.setrlimit(resource.RLIMIT_NOFILE, (hard, hard))
-            soft = hard
-    return max(1, soft - FD_RESERVE)
+class DrainPhase(enum.Enum):
+    """Where the drain is (loom/server/drain.py times them; each front says what they mean)."""
+
+    SERVING = "serving"
+    ANNOUNCED = "announced"
+    REFUSING = "refusing"
+    CLOSED = "closed"
 
 
-class Seat:
-    """One connection's place under the caps: it says when it carries no request (`idle`:
-    then it may be closed to make room, by `evict`) and when it closes (`release`, once)."""
+class Front(Protocol):
+    """A port's front, as the ledger sees it."""
 
-    def __init__(self, caps: ConnectionCaps, host: str) -> None:
-        self.caps = caps
-        self.host = host
-        self.evict: Callable[[], None] | None = None  # the connection's: close now, idle
-        self.evicted = False
-        self.released = False
+    def enter(self, phase: DrainPhase) -> None: ...
 
-    def idle(self) -> None:
-        if not (self.released or self.evicted):
-            self.caps.idle.pop(self, None)
-            self.caps.idle[self] = None  # the newest idle: the last of its peer's evicted
-
-    def busy(self) -> None:
-        self.caps.idle.pop(self, None)
-
-    def release(self) -> None:
-        if self.released:
-            return
-        self.released = True
-        self.caps.idle.pop(self, None)
-        if self.evicted:
-            self.caps.num_evicting -= 1
-        else:
-            self.caps.vacate(self.host)
-
-
-class ConnectionCaps:
-    """Open connections, in all and by peer address, whichever port they came to. At the cap
-    in all, a new connection takes the place of a connection that carries no request: the one
-    idle the longest of the peer holding the most connections (as nginx and Envoy reuse idle
-    keep-alive connections; by peer, so that one holding many idle connections, or opening
-    them as fast as they are taken, evicts its own before another's one new connection whose
-    request is on its way). It is refused only when every connection is busy, or when
-    `MAX_EVICTING` evicted ones have yet to close (their descriptors are freed a loop turn
-    later)."""
-
-    def __init__(self, config: BoundaryConfig) -> None:
-        self.max_connections = min(config.max_connections, descriptor_room())
-        if self.max_connections < config.max_connections:
-            log.warning(
-                "max_connections lowered to %d: the descriptor limit allows no more",
-                self.max_connections,
-            )
-        self.max_per_peer = config.max_connections_per_peer
-        self.num_connections = 0
-        self.per_peer = Counter[str]()
-        self.idle: dict[Seat, None] = {}  # in the order they became idle
-        self.num_evicting = 0
-
-    def over_cap(self, host: str) -> tuple[str, str] | None:
-        """The cap a new connection from `host` would exceed, and why; None: within both."""
-        limit = self.max_per_peer
-        if self.per_peer[host] >= limit:
-            return "max_connections_per_peer", (
-                f"{host} has {limit} connections open; the limit is "
-                f"max_connections_per_peer={limit}"
-            )
-        if self.num_connections >= self.max_connections and not self.make_room():
-            limit = self.max_connections
-            return "max_connections", (
-                f"the server has {limit} connections open, none idle; the limit is "
-                f"max_connections={limit}"
-            )
-        return None
-
-    def make_room(self) -> bool:
-        """Evict an idle connection; False if none is idle."""
-        if not self.idle or self.num_evicting >= MAX_EVICTING:
-            return False
-        seat = max(self.idle, key=lambda s: self.per_peer[s.host])  # ties: idle the longest
-        del self.idle[seat]
-        seat.evicted = True
-        self.num_evicting += 1
-        self.vacate(seat.host)
-        if seat.evict is not None:
-            seat.evict()
-        return True
-
-    def take(self, host: str) -> Seat:
-        self.num_connections += 1
-        self.per_peer[host] += 1
-        return Seat(self, host)
-
-    def vacate(self, host: str) -> None:
-        self.num_connections -= 1
-        self.per_peer[host] -= 1
-        if not self.per_peer[host]:
-            del self.per_peer[host]
+    async def close(self) -> None: ...
 
 
 class Traffic:
-    """The server's shared counts: one of each, made with the I/O thread's loop."""
+    """The server's shared counts, made in the I/O thread's loop and used only there."""
 
     def __init__(self, config: BoundaryConfig) -> None:
         self.caps = ConnectionCaps(config)
         self.budget = RequestBudget(config.max_buffered_request_bytes)
+        self.phase = DrainPhase.SERVING
+        self.connections = Count()  # client connections open, on every port
+        self.unheard = Count()  # told to go away, not yet heard; and the backlog being taken
+        self.arriving = Count()  # generation requests admitted, not yet handed to the engine
+        self.in_flight = Count()  # generation requests not yet ended (last message sent)
+        self.fronts: list[Front] = []
+
+    @property
+    def refusing(self) -> bool:
+        """New requests are refused (the drain's second phase, or closed)."""
+        return self.phase in (DrainPhase.REFUSING, DrainPhase.CLOSED)
+
+    def enter(self, phase: DrainPhase) -> None:
+        self.phase = phase
+        for front in self.fronts:
+            front.enter(phase)
+
+    async def close(self) -> None:
+        """Every front closed, the last opened first; their connections with them."""
+        self.phase = DrainPhase.CLOSED
+        for front in reversed(self.fronts):
+            await front.close()
 
 
 class OverBudgetError(Exception):

@@ -609,10 +609,10 @@ async def test_http_refused_headers_leave_the_drain_counts_at_zero(
                 )
                 replies.append(await trio.to_thread.run_sync(sock.recv, 4096))
                 sock.close()
-            counts = server.grpc.endpoint
-            assert counts is not None
-            await until(lambda: counts.num_in_flight.value + counts.arriving.value == 0, 5)
-            in_flight = (counts.num_in_flight.value, counts.arriving.value)
+            assert server.io is not None
+            counts = server.io.traffic
+            await until(lambda: counts.in_flight.value + counts.arriving.value == 0, 5)
+            in_flight = (counts.in_flight.value, counts.arriving.value)
     assert long_id[0] == 400
     assert replies[0].startswith(b"HTTP/1.1 400"), replies[0]
     assert replies[1].startswith(b"HTTP/1.1 401"), replies[1]

@@ -246,7 +246,7 @@ async def test_http_connection_a_client_that_reads_nothing_is_cut_off_at_the_wri
         _,
     ):
         port = server.http_port or 0
-        caps = server.grpc.traffic.caps
+        caps = server.io.traffic.caps
         with trio.fail_after(30):
             sock = socket.socket()
             sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)

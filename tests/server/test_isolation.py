@@ -29,7 +29,7 @@ from hyperframe.frame import HeadersFrame, RstStreamFrame
 
 from loom.core.config import SchedulerConfig
 from loom.model.loader import LoadedModel
-from loom.server.supervisor import Supervisor
+from loom.server.bridge import TrioBridge
 from loom.v1 import loom_pb2 as pb
 from loom.v1.loom_grpc import LoomStub
 from tests.greedy import reference_tokens
@@ -203,15 +203,15 @@ async def wait_paused_count(port: int, count: int) -> None:
 
 
 async def test_isolation_a_handler_cancelled_while_submitting_leaves_no_request_behind(
-    tiny_chat: LoadedModel,
+    tiny_chat: LoadedModel, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """The client cancels while its handler waits for the trio thread to submit (blocked here
     on purpose, until the client has cancelled): once submitted, the request is aborted at
     once, not kept until the stall timeout holding a slot and blocks."""
-    async with serving(tiny_chat, output_buffer_size=2, stall_timeout=120.0) as (server, port):
+    async with serving(tiny_chat, output_buffer_size=2, stall_timeout=120.0) as (_, port):
         with trio.fail_after(60):
             submitting = threading.Event()
-            watch_submissions(server, submitting)
+            watch_submissions(monkeypatch, submitting)
             cancelled = threading.Event()
             client = threading.Thread(
                 target=run_client, args=(send_then_cancel, port, submitting, cancelled)
@@ -226,19 +226,17 @@ async def test_isolation_a_handler_cancelled_while_submitting_leaves_no_request_
             assert dict(stats.finished) == {"aborted": 1}
 
 
-def watch_submissions(server: Supervisor, submitting: threading.Event) -> None:
+def watch_submissions(monkeypatch: pytest.MonkeyPatch, submitting: threading.Event) -> None:
     """Set `submitting` when a handler asks the trio thread to submit (the call itself is
     the real one): the moment the test waits for, rather than a guess at how long it takes."""
-    servicer = server.grpc.servicer
-    assert servicer is not None
-    bridge_call = servicer.bridge.call
+    bridge_call = TrioBridge.call
 
-    async def call(fn: Any, *args: Any, **kwargs: Any) -> Any:
+    async def call(bridge: TrioBridge, fn: Any, *args: Any, **kwargs: Any) -> Any:
         if getattr(fn, "__name__", None) == "submit_until":
             submitting.set()
-        return await bridge_call(fn, *args, **kwargs)
+        return await bridge_call(bridge, fn, *args, **kwargs)
 
-    servicer.bridge.call = call  # type: ignore[method-assign]
+    monkeypatch.setattr(TrioBridge, "call", call)
 
 
 async def send_then_cancel(
@@ -265,7 +263,8 @@ async def test_isolation_a_final_message_never_read_is_given_up_after_the_send_t
             async with trio.open_nursery() as nursery:
                 nursery.start_soon(lambda: in_asyncio(read_late, port, 8.0, outcome))
                 await wait_running(port)
-                server.grpc.in_loop(lambda: time.sleep(2.0))  # the engine finishes meanwhile
+                assert server.io is not None
+                server.io.in_loop(lambda: time.sleep(2.0))  # the engine finishes meanwhile
             assert outcome == ["reset"]
             stats = await wait_all_blocks_free(port)
             assert dict(stats.finished) == {"length": 1}

@@ -49,9 +49,9 @@ async def test_metrics_port_listens_on_loopback_unless_told_otherwise(tiny: Load
         with trio.fail_after(30):
             async with trio.open_nursery() as nursery:
                 await nursery.start(server.run)
-                metrics = server.grpc.metrics
-                assert metrics is not None
-                assert metrics.address()[0] == bound
+                assert server.io is not None
+                assert server.io.metrics_address is not None
+                assert server.io.metrics_address[0] == bound
                 nursery.cancel_scope.cancel()
 
 

@@ -32,8 +32,8 @@ from loom.engine.config import EngineConfig
 from loom.engine.engine import Engine
 from loom.model.loader import LoadedModel
 from loom.server.config import ServerConfig
-from loom.server.drain import DrainPhase
 from loom.server.supervisor import Supervisor
+from loom.server.traffic import DrainPhase
 from loom.v1 import loom_pb2 as pb
 from loom.v1.loom_grpc import LoomStub
 from tests.conftest import tiny_model
@@ -282,7 +282,7 @@ async def test_server_drained_while_the_model_loads_never_serves(tiny_chat: Load
                 await trio.sleep(0.1)
                 release.set()
                 await wait_engine_loaded(server)
-                while server.drainer.phase is not DrainPhase.REFUSING:  # noqa: ASYNC110
+                while server.drainer is None or server.drainer.phase is not DrainPhase.REFUSING:  # noqa: ASYNC110
                     await trio.sleep(0.02)  # the grace: calls still served (no event for it)
                 loaded.set()  # the probe's calls reach the endpoint after it entered the phase
             assert probes == [NOT_SERVING, NOT_SERVING, Status.UNAVAILABLE, "refused"]

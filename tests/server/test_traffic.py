@@ -16,8 +16,8 @@ from grpclib import GRPCError, Status
 from loom.chaos import attacks
 from loom.model.sim import SimRunner, load_sim
 from loom.server.boundary.config import BoundaryConfig
+from loom.server.caps import ConnectionCaps
 from loom.server.openai.config import HttpConfig
-from loom.server.traffic import ConnectionCaps
 from loom.v1 import loom_pb2 as pb
 from tests.grpc_client import generate, in_asyncio
 from tests.http_client import HOST, post
@@ -119,7 +119,7 @@ async def test_traffic_silent_connections_at_the_cap_give_way_to_a_client_every_
         grpc_port,
     ):
         port = server.http_port or 0
-        caps = server.grpc.traffic.caps
+        caps = server.io.traffic.caps
         sources = [f"127.0.0.{2 + i}" for i in range(8)]
         squatters = Squatters([port, grpc_port], sources, 1)
         squatters.start()
@@ -178,7 +178,7 @@ async def test_traffic_bodies_being_received_share_the_grpc_port_s_budget() -> N
         grpc_port,
     ):
         port = server.http_port or 0
-        traffic = server.grpc.traffic
+        traffic = server.io.traffic
         with trio.fail_after(40):
             holders = []
             for _ in range(2):

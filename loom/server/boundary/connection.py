@@ -58,7 +58,7 @@ from loom.server.boundary.gate import FrameGate, GateLimits, LimitError
 from loom.server.boundary.outbound import Outbound
 from loom.server.boundary.streams import Streams
 from loom.server.boundary.watchdog import Watchdog
-from loom.server.traffic import Seat
+from loom.server.caps import Seat
 
 if TYPE_CHECKING:
     from loom.server.boundary.endpoint import Endpoint
@@ -281,14 +281,14 @@ class Connection(asyncio.Protocol):
         self.out.write_frames(drain_ping() + goaway(ErrorCodes.NO_ERROR))
         if not self.unheard:
             self.unheard = True
-            self.endpoint.unheard.add(1)
+            self.endpoint.traffic.unheard.add(1)
 
     def heard(self) -> None:
         """The drain's PING was answered (every call sent before it has arrived), or the
         connection closed."""
         if self.unheard:
             self.unheard = False
-            self.endpoint.unheard.add(-1)
+            self.endpoint.traffic.unheard.add(-1)
 
     def refuse_new_calls(self) -> None:
         """New streams are refused from now on (see `stream_refusal`); an idle connection is

@@ -25,10 +25,9 @@ from loom.server.boundary.call import Call
 from loom.server.boundary.config import BoundaryConfig
 from loom.server.boundary.connection import Connection
 from loom.server.boundary.frames import GENERATE_PATH, goaway, refusal_preface
-from loom.server.bridge import Count
-from loom.server.drain import DrainPhase
+from loom.server.caps import Seat
 from loom.server.listener import Listener
-from loom.server.traffic import Seat, Traffic
+from loom.server.traffic import DrainPhase, Traffic
 
 log = logging.getLogger(__name__)
 
@@ -48,6 +47,7 @@ class Endpoint:
             self.mapping.update(service.__mapping__())
         self.config = config
         self.on_refused = on_refused
+        self.traffic = traffic
         self.budget = traffic.budget
         self.caps = traffic.caps
         self.identify = identify  # the call's tenant, or GRPCError(UNAUTHENTICATED)
@@ -55,19 +55,11 @@ class Endpoint:
         self.listener = Listener(self.caps, self.accepted, self.refused, refusal)
         self.connections: set[Connection] = set()
         self.setting_up: set[asyncio.Task[Any]] = set()  # accepted, not yet connected
-        self.num_connections = Count()
-        self.unheard = Count()  # told to go away, not yet heard; and backlog being accepted
-        self.arriving = Count()  # Generate calls admitted, not yet handed to the engine
-        self.num_in_flight = Count()  # Generate calls not yet ended (their last message sent)
-        self.phase = DrainPhase.SERVING
+        traffic.fronts.append(self)
 
     async def start(self, host: str, port: int) -> int:
         """Listen; the bound port (`port` 0 picks one)."""
         return self.listener.listen(host, port)
-
-    @property
-    def refusing(self) -> bool:
-        return self.phase in (DrainPhase.REFUSING, DrainPhase.CLOSED)
 
     # Connections
 
@@ -97,21 +89,22 @@ class Endpoint:
                     sock.close()  # (else asyncio closed its transport, and the socket with it)
 
         task.add_done_callback(done)
-        if self.phase is not DrainPhase.SERVING:
+        if self.traffic.phase is not DrainPhase.SERVING:
             self.wait_for_setup(task)
 
     def wait_for_setup(self, task: asyncio.Task[Any]) -> None:
-        self.unheard.add(1)
-        task.add_done_callback(lambda _: self.unheard.add(-1))
+        unheard = self.traffic.unheard
+        unheard.add(1)
+        task.add_done_callback(lambda _: unheard.add(-1))
 
     def connected(self, connection: Connection) -> None:
         self.connections.add(connection)
-        self.num_connections.add(1)
+        self.traffic.connections.add(1)
         connection.seat.evict = partial(self.make_room, connection)
         connection.seat.idle()
-        if self.phase is DrainPhase.ANNOUNCED:
+        if self.traffic.phase is DrainPhase.ANNOUNCED:
             connection.announce_drain()
-        elif self.refusing:
+        elif self.traffic.refusing:
             connection.refuse_new_calls()
 
     def make_room(self, connection: Connection) -> None:
@@ -122,7 +115,7 @@ class Endpoint:
     def disconnected(self, connection: Connection) -> None:
         if connection in self.connections:
             self.connections.remove(connection)
-            self.num_connections.add(-1)
+            self.traffic.connections.add(-1)
             connection.seat.release()
 
     def refused(self, cause: str) -> None:
@@ -134,11 +127,12 @@ class Endpoint:
         """A call admitted: a Generate call is counted as arriving until its handler has handed
         it to the engine (`Call.arrived`) or it ended (loom/server/drain.py waits for them)."""
         if call.path == GENERATE_PATH:
-            self.arriving.add(1)
-            self.num_in_flight.add(1)
-            call.on_arrival = lambda: self.arriving.add(-1)
+            arriving, in_flight = self.traffic.arriving, self.traffic.in_flight
+            arriving.add(1)
+            in_flight.add(1)
+            call.on_arrival = lambda: arriving.add(-1)
             call.when_ended(call.arrived)
-            call.when_ended(lambda: self.num_in_flight.add(-1))
+            call.when_ended(lambda: in_flight.add(-1))
 
     async def serve(self, call: Call) -> None:
         """Name the call's tenant (refused: its GRPCError), then run its handler; its status
@@ -168,7 +162,6 @@ class Endpoint:
 
     def enter(self, phase: DrainPhase) -> None:
         """What a drain phase means here (loom/server/drain.py)."""
-        self.phase = phase
         if phase is DrainPhase.ANNOUNCED:
             for task in self.setting_up:
                 self.wait_for_setup(task)
@@ -188,7 +181,6 @@ class Endpoint:
     async def close(self) -> None:
         """Stop: every connection still open is sent GOAWAY and closed, its calls ended."""
         self.listener.close()
-        self.phase = DrainPhase.CLOSED
         for connection in list(self.connections):
             connection.close("the server stopped", error_code=ErrorCodes.NO_ERROR)
         await asyncio.sleep(0)

@@ -42,7 +42,7 @@ class Streams:
         ended = event.stream_ended is not None
         refusal = stream_refusal(
             fields,
-            draining=endpoint.refusing,
+            draining=endpoint.traffic.refusing,
             num_open=len(self.calls),
             limit=connection.config.max_streams_per_connection,
             paths=endpoint.mapping,

@@ -27,13 +27,13 @@ from typing import Any
 import h11
 
 from loom.server.boundary.config import BoundaryConfig
+from loom.server.caps import Seat
 from loom.server.openai import head_gate
 from loom.server.openai.errors import HttpError
 from loom.server.openai.head_gate import Handler
 from loom.server.openai.message import Body, HttpRequest, Response
 from loom.server.openai.origin_policy import OriginPolicy
 from loom.server.openai.outbound import Outbound
-from loom.server.traffic import Seat
 
 log = logging.getLogger(__name__)
 LINGER = 2.0  # seconds a connection answered before its request came whole reads on, then closes

@@ -26,12 +26,11 @@ from collections.abc import Callable
 from typing import Any, TypeVar
 
 from loom.server.boundary.config import BoundaryConfig
-from loom.server.bridge import Count
 from loom.server.openai.errors import HttpError, invalid
 from loom.server.openai.json_body import BodyError, Whole, parse, rendered
 from loom.server.openai.message import JSON, HttpRequest, Response
 from loom.server.relay import Ending
-from loom.server.traffic import OverBudgetError, RequestBudget
+from loom.server.traffic import OverBudgetError, RequestBudget, Traffic
 from loom.server.wire import MAX_REQUEST_ID_CHARS
 
 T = TypeVar("T")
@@ -48,16 +47,14 @@ class Exchange(Ending):
         self,
         request: HttpRequest,
         response: Response,
-        arriving: Count,
-        in_flight: Count,
-        budget: RequestBudget,
+        traffic: Traffic,
     ) -> None:
         super().__init__()
         self.request = request
         self.response = response
-        self.arriving = arriving  # the drain's counts (the endpoint's, for both fronts)
-        self.in_flight = in_flight
-        self.budget = budget
+        self.arriving = traffic.arriving  # the drain's counts, for both fronts
+        self.in_flight = traffic.in_flight
+        self.budget = traffic.budget
         self.headers: dict[str, str] = {}
         self.stream = False  # set once the body is read: SSE, or one JSON object
 

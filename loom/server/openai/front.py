@@ -1,12 +1,11 @@
 """The HTTP front, in the server's asyncio thread beside the gRPC endpoint: its own listener
-under the server's connection caps (loom/server/traffic.py, shared with the gRPC port), its
-HTTP/1.1 connections (loom/server/openai/connection.py), the counts the drain waits on, and
-what each drain phase means here.
+under the server's connection caps (loom/server/caps.py, shared with the gRPC port), its HTTP/1.1
+connections (loom/server/openai/connection.py), and what each drain phase means here.
 
 Over a cap, a connection is answered 503, naming the limit, and closed at the accept. TLS, when
-the gRPC port has it, is the same certificate with ALPN http/1.1. Every connection counts in
-the endpoint's `num_connections`, every generation request in its `arriving` and
-`num_in_flight`: the drain (loom/server/drain.py) waits on both fronts.
+the gRPC port has it, is the same certificate with ALPN http/1.1. Every connection and every
+generation request counts in the traffic ledger (loom/server/traffic.py), which the drain
+(loom/server/drain.py) waits on.
 
 A drain, here: ANNOUNCED stops listening, and every response from then on says
 `Connection: close` (idle keep-alive connections are closed; a request already sent is still
@@ -24,8 +23,7 @@ from collections.abc import Awaitable, Callable
 from typing import Any
 
 from loom.server.boundary.config import BoundaryConfig
-from loom.server.bridge import Count
-from loom.server.drain import DrainPhase
+from loom.server.caps import Seat
 from loom.server.listener import Listener
 from loom.server.openai.config import HttpConfig
 from loom.server.openai.connection import HttpConnection
@@ -33,7 +31,7 @@ from loom.server.openai.errors import HttpError
 from loom.server.openai.exchange import Exchange, reply_error
 from loom.server.openai.message import HttpRequest, Response
 from loom.server.openai.origin_policy import OriginPolicy
-from loom.server.traffic import Seat, Traffic
+from loom.server.traffic import DrainPhase, Traffic
 
 log = logging.getLogger(__name__)
 Handler = Callable[[HttpRequest, Exchange], Awaitable[None]]
@@ -45,18 +43,14 @@ class HttpFront:
         handler: Handler,
         config: BoundaryConfig,
         http: HttpConfig,
-        counts: Any,  # the endpoint's: num_connections, arriving, num_in_flight (Counts)
         traffic: Traffic,
         on_refused: Callable[[str], None],
         tls: ssl.SSLContext | None,
     ) -> None:
         self.config = config
         self.handler = handler
-        self.num_connections: Count = counts.num_connections
-        self.arriving: Count = counts.arriving
-        self.num_in_flight: Count = counts.num_in_flight
+        self.traffic = traffic
         self.caps = traffic.caps
-        self.budget = traffic.budget
         self.on_refused = on_refused
         self.tls = tls
         self.origins = OriginPolicy(http.http_host, http.allowed_hosts, http.allowed_origins)
@@ -65,7 +59,7 @@ class HttpFront:
         answer = refusal if tls is None else (lambda _cause, _why: b"")
         self.listener = Listener(self.caps, self.accepted, on_refused, answer)
         self.connections: dict[HttpConnection, Seat] = {}  # each one's place under the caps
-        self.phase = DrainPhase.SERVING
+        traffic.fronts.append(self)
 
     async def start(self, host: str, port: int) -> int:
         return self.listener.listen(host, port)
@@ -101,8 +95,8 @@ class HttpFront:
     def connection(self, seat: Seat) -> HttpConnection:
         def opened(connection: HttpConnection) -> None:
             self.connections[connection] = seat
-            self.num_connections.add(1)
-            if self.phase is not DrainPhase.SERVING:
+            self.traffic.connections.add(1)
+            if self.traffic.phase is not DrainPhase.SERVING:
                 connection.close_when_idle()
 
         return HttpConnection(
@@ -119,12 +113,12 @@ class HttpFront:
         seat = self.connections.pop(connection, None)
         if seat is not None:
             seat.release()
-            self.num_connections.add(-1)
+            self.traffic.connections.add(-1)
 
     # Requests
 
     async def serve(self, request: HttpRequest, response: Response) -> None:
-        if self.phase in (DrainPhase.REFUSING, DrainPhase.CLOSED):
+        if self.traffic.refusing:
             self.on_refused("draining")
             response.close_after = True
             await reply_error(response, HttpError(503, "the server is draining", code="draining"))
@@ -133,21 +127,19 @@ class HttpFront:
             asked = request.headers.get("access-control-request-headers")
             await response.reply(204, headers=self.origins.preflight(asked))
             return
-        exchange = Exchange(request, response, self.arriving, self.num_in_flight, self.budget)
+        exchange = Exchange(request, response, self.traffic)
         response.when_lost.append(exchange.lost)
         await self.handler(request, exchange)
 
     # The drain
 
     def enter(self, phase: DrainPhase) -> None:
-        self.phase = phase
         if phase is DrainPhase.ANNOUNCED:
             self.listener.close()  # the open connections carry on
             for connection in list(self.connections):
                 connection.close_when_idle()  # an idle one at once; a busy one after its response
 
     async def close(self) -> None:
-        self.phase = DrainPhase.CLOSED
         self.listener.close()
         for connection in list(self.connections):
             connection.abort()
