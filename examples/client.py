@@ -27,7 +27,7 @@ import sys
 from grpclib import GRPCError
 from grpclib.client import Channel
 
-from loom.server.boundary.tls import client_context
+from loom.server.tls import client_context
 from loom.v1 import loom_pb2 as pb
 from loom.v1.loom_grpc import LoomStub
 

@@ -55,7 +55,7 @@ def serve_aiohttp(port: int) -> None:
 def serve_loom(port: int) -> None:
     """Loom's own HTTP/1.1 connection (loom/server/openai/connection.py, on h11), as the HTTP
     front runs it, with every limit at its default."""
-    from loom.server.boundary.config import BoundaryConfig
+    from loom.server.boundary import BoundaryConfig
     from loom.server.openai.connection import HttpConnection
     from loom.server.openai.message import HttpRequest, Response
     from loom.server.openai.origin_policy import OriginPolicy

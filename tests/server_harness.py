@@ -13,7 +13,7 @@ from loom.engine.config import EngineConfig
 from loom.engine.engine import Engine, RunnerFactory
 from loom.model.loader import LoadedModel
 from loom.model.model_runner import ModelRunner
-from loom.server.boundary.config import BoundaryConfig
+from loom.server.boundary import BoundaryConfig
 from loom.server.config import ServerConfig
 from loom.server.openai.config import HttpConfig
 from loom.server.supervisor import Supervisor

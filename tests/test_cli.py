@@ -16,7 +16,7 @@ from loom.core.config import CacheConfig, SchedulerConfig
 from loom.core.setting import at_least, byte_size, setting
 from loom.engine.config import EngineConfig
 from loom.model.loader import ModelConfig
-from loom.server.boundary.config import BoundaryConfig
+from loom.server.boundary import BoundaryConfig
 from loom.server.config import ServerConfig
 from loom.server.tenants import TenantConfig
 

@@ -2,7 +2,11 @@
 
 Each module may import only modules of its own layer or of the layers below; `loom.core`
 imports neither torch nor trio (nor anything that does), and each layer keeps out the libraries
-of the layers above it.
+of the layers above it. No modules import each other in a circle (type-only imports count).
+
+Inside the server, the two fronts (`loom.server.grpc`, `loom.server.openai`) stand side by
+side: neither imports the other, and what they share (`loom.server`'s own modules) imports
+neither; only the modules that put the server together (`ASSEMBLY`) import both.
 """
 
 from __future__ import annotations
@@ -26,6 +30,13 @@ LAYERS = {
     "cli": 4,
     "entry_point": 4,
 }
+FRONTS = ("loom.server.grpc", "loom.server.openai")
+ASSEMBLY = {
+    "loom.server.io_thread",
+    "loom.server.config",
+    "loom.server.drain",
+    "loom.server.supervisor",
+}
 # Third-party packages that belong to a higher layer than the key's.
 FORBIDDEN = {
     "core": {"torch", "trio", "grpclib", "asyncio", "transformers", "google"},
@@ -44,19 +55,35 @@ def layer_of(dotted: str) -> str | None:
     return parts[1] if len(parts) > 1 and parts[1] in LAYERS else None
 
 
-def imports_of(path: Path) -> set[str]:
+def imports_of(path: Path, *, members: bool = False) -> set[str]:
+    """The modules `path` imports, anywhere in it (type-only imports too); with `members`,
+    `from package import name` also as `package.name` (a module, when it is one)."""
     names: set[str] = set()
     for node in ast.walk(ast.parse(path.read_text())):
         if isinstance(node, ast.Import):
             names.update(alias.name for alias in node.names)
         elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
             names.add(node.module)
+            if members:
+                names.update(f"{node.module}.{alias.name}" for alias in node.names)
     return names
+
+
+def all_imports_of(path: Path) -> set[str]:
+    """Every `loom` module `path` imports."""
+    return {name for name in imports_of(path, members=True) if name in MODULES}
 
 
 def dotted_name(path: Path) -> str:
     relative = path.relative_to(PACKAGE.parent).with_suffix("")
     return ".".join(relative.parts).removesuffix(".__init__")
+
+
+MODULES = {dotted_name(p): p for p in modules()}
+
+
+def front_of(dotted: str) -> str | None:
+    return next((f for f in FRONTS if dotted == f or dotted.startswith(f + ".")), None)
 
 
 @pytest.mark.parametrize("path", modules(), ids=lambda p: dotted_name(p))
@@ -87,3 +114,65 @@ def test_layers_importing_all_of_the_core_loads_neither_torch_nor_trio() -> None
         [sys.executable, "-c", script], capture_output=True, text=True, check=True, timeout=60
     )
     assert result.stdout.strip() == "[]"
+
+
+@pytest.mark.parametrize(
+    "path", [p for p in modules() if dotted_name(p).startswith("loom.server")], ids=dotted_name
+)
+def test_layers_the_fronts_stand_side_by_side(path: Path) -> None:
+    own = dotted_name(path)
+    if own in ASSEMBLY:
+        return
+    mine = front_of(own)
+    others = sorted(
+        name for name in all_imports_of(path) if (front := front_of(name)) and front != mine
+    )
+    assert others == [], f"{own} imports a front not its own: {others}"
+
+
+def test_layers_no_modules_import_each_other_in_a_circle() -> None:
+    graph = {name: all_imports_of(path) - {name} for name, path in MODULES.items()}
+    circles = [sorted(c) for c in strongly_connected(graph) if len(c) > 1]
+    assert circles == []
+
+
+def strongly_connected(graph: dict[str, set[str]]) -> list[set[str]]:
+    """Tarjan's strongly connected components, without recursion."""
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    on_stack: set[str] = set()
+    found: list[set[str]] = []
+    for root in graph:
+        if root in index:
+            continue
+        work = [(root, iter(sorted(graph[root])))]
+        index[root] = low[root] = len(index)
+        stack.append(root)
+        on_stack.add(root)
+        while work:
+            node, children = work[-1]
+            child = next(children, None)
+            if child is not None:
+                if child not in index:
+                    index[child] = low[child] = len(index)
+                    stack.append(child)
+                    on_stack.add(child)
+                    work.append((child, iter(sorted(graph[child]))))
+                elif child in on_stack:
+                    low[node] = min(low[node], index[child])
+                continue
+            work.pop()
+            if work:
+                parent = work[-1][0]
+                low[parent] = min(low[parent], low[node])
+            if low[node] == index[node]:
+                component: set[str] = set()
+                while True:
+                    member = stack.pop()
+                    on_stack.discard(member)
+                    component.add(member)
+                    if member == node:
+                        break
+                found.append(component)
+    return found

@@ -2,7 +2,7 @@
 lock files), and every name of theirs that Loom relies on is checked here, with the shape it is
 relied on in: an upgrade that renames or reshapes one fails this test, not a client.
 
-Public names are checked as used (an h2 connection driven the way loom/server/boundary/ drives
+Public names are checked as used (an h2 connection driven the way loom/server/grpc/ drives
 it); the few private ones (grpclib's client, for a chaos client's TCP reset; torch's extension
 builder, which the kernels call to build a library without loading it) are listed by name.
 """
@@ -30,8 +30,8 @@ from hyperframe.frame import Frame, GoAwayFrame, PingFrame, SettingsFrame
 from torch.utils import cpp_extension
 
 from loom.model import kernels
-from loom.server.boundary.call import Call
-from loom.server.boundary.frames import advertised, goaway
+from loom.server.grpc.call import Call
+from loom.server.grpc.frames import advertised, goaway
 
 ROOT = Path(__file__).parent.parent
 PINS = {

@@ -38,7 +38,7 @@ LEAVES = ("cancel", "drop", "reset", "stop")
 KILLED_CLIENT = """
 import asyncio, sys
 from grpclib.client import Channel
-from loom.server.boundary.tls import client_context
+from loom.server.tls import client_context
 from loom.v1 import loom_pb2 as pb
 from loom.v1.loom_grpc import LoomStub
 

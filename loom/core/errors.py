@@ -1,4 +1,5 @@
-"""The engine's typed errors; the server maps each to one gRPC status (loom/server/status.py)."""
+"""The engine's typed errors; the server maps each to one gRPC status
+(loom/server/grpc/status.py) and one HTTP status (loom/server/openai/errors.py)."""
 
 from __future__ import annotations
 

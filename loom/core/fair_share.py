@@ -45,28 +45,11 @@ from __future__ import annotations
 import math
 from collections import Counter
 from collections.abc import Iterable, Iterator
-from typing import TYPE_CHECKING
 
 import attrs
 
-if TYPE_CHECKING:
-    from loom.core.request import Request
+from loom.core.request import Request
 
-MAX_PRIORITY = 1_000_000  # a request's priority, either way
-
-
-@attrs.frozen(kw_only=True)
-class Tenancy:
-    """Whose a request is, with what weight, and its `priority` within its tenant (lower first,
-    as vLLM's)."""
-
-    tenant: str = ""
-    weight: float = 1.0
-    priority: int = 0
-    connection: str = ""  # the client connection it came on: inside a tenant, they share
-
-
-SHARED = Tenancy()  # one tenant for all, at weight 1 and priority 0: what an engine alone sees
 PROMPT_WEIGHT = 1.0  # VTC's w_p: a token computed
 SAMPLE_WEIGHT = 1.0  # VTC's w_q - w_p: a sampled token costs a computed one and this more
 MARGIN_PER_SLOT = 16  # eight steps of every slot decoding (2 a token): see Running slots

@@ -18,9 +18,9 @@ from typing import Any
 import attrs
 
 from loom.core.errors import InvalidRequestError
-from loom.core.fair_share import SHARED, Tenancy
 from loom.core.request import Request
 from loom.core.sampling_params import SamplingParams
+from loom.core.tenancy import SHARED, Tenancy
 
 MAX_CACHE_SALT_CHARS = 256
 

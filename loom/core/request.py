@@ -7,9 +7,9 @@ import enum
 import attrs
 
 from loom.core.constraint import Matcher
-from loom.core.fair_share import SHARED, Tenancy
 from loom.core.request_output import FinishReason, Logprobs
 from loom.core.sampling_params import SamplingParams
+from loom.core.tenancy import SHARED, Tenancy
 
 
 class RequestStatus(enum.IntEnum):

@@ -32,11 +32,11 @@ import trio
 
 from loom.core.constraint import Matcher
 from loom.core.errors import EngineOverloadedError
-from loom.core.fair_share import Tenancy
 from loom.core.prompt import Prompt, PromptChecker, needs_tokenizer
 from loom.core.request import Request
 from loom.core.sampling_params import SamplingParams
 from loom.core.scheduler import Scheduler
+from loom.core.tenancy import Tenancy
 from loom.engine.compiling import Compiler
 from loom.engine.config import CHARS_PER_TOKEN, EngineConfig
 from loom.engine.queue_share import PUSHED_OUT, QueueShare, queue_full

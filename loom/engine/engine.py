@@ -17,10 +17,10 @@ import trio
 
 from loom.core.config import CacheConfig
 from loom.core.errors import EngineDeadError, EngineOverloadedError, InvalidRequestError
-from loom.core.fair_share import SHARED, Tenancy
 from loom.core.prompt import Prompt
 from loom.core.request_output import RequestOutput
 from loom.core.sampling_params import SamplingParams
+from loom.core.tenancy import SHARED, Tenancy
 from loom.engine.config import EngineConfig
 from loom.engine.engine_core import EngineCore
 from loom.engine.metrics import EngineMetrics

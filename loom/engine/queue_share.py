@@ -20,8 +20,8 @@ from collections import Counter
 from collections.abc import Iterable
 
 from loom.core.errors import EngineOverloadedError
-from loom.core.fair_share import Tenancy
 from loom.core.request import Request, RequestStatus
+from loom.core.tenancy import Tenancy
 
 
 class QueueShare:

@@ -13,7 +13,7 @@ import resource
 from collections import Counter
 from collections.abc import Callable
 
-from loom.server.boundary.config import BoundaryConfig
+from loom.server.boundary import BoundaryConfig
 
 log = logging.getLogger(__name__)
 FD_RESERVE = 64  # descriptors left for the model's files, logs, the metrics port, threads

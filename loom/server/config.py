@@ -6,7 +6,7 @@ from __future__ import annotations
 import attrs
 
 from loom.core.setting import above, in_range, setting
-from loom.server.boundary.config import BoundaryConfig
+from loom.server.boundary import BoundaryConfig
 from loom.server.openai.config import HttpConfig
 from loom.server.tenants import TenantConfig
 

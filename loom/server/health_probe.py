@@ -17,7 +17,7 @@ from grpclib.client import Channel
 from grpclib.health.v1.health_grpc import HealthStub
 from grpclib.health.v1.health_pb2 import HealthCheckRequest, HealthCheckResponse
 
-from loom.server.boundary.tls import client_context
+from loom.server.tls import client_context
 
 
 def add_parser(commands: Any) -> argparse.ArgumentParser:

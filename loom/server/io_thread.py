@@ -1,5 +1,5 @@
 """The server's I/O thread: one asyncio loop, in its own thread, that runs the gRPC endpoint
-(loom/server/boundary/), the HTTP front (OpenAI's API, with `http_port` set;
+(loom/server/grpc/), the HTTP front (OpenAI's API, with `http_port` set;
 loom/server/openai/) and the metrics port. grpclib and the HTTP/1.1 and HTTP/2 layers run on
 asyncio; the engine runs in trio's thread.
 
@@ -36,16 +36,16 @@ from grpclib.health.service import Health
 from grpclib.reflection.service import ServerReflection
 
 from loom.engine.engine import Engine
-from loom.server.boundary.call import Call
-from loom.server.boundary.endpoint import Endpoint
-from loom.server.boundary.tls import server_context
 from loom.server.bridge import Count, TrioBridge
 from loom.server.config import ServerConfig
+from loom.server.grpc.call import Call
+from loom.server.grpc.endpoint import Endpoint
+from loom.server.grpc.servicer import LoomServicer
 from loom.server.metrics import MetricsEndpoint, boundary_refusals
 from loom.server.openai.api import OpenAIApi
 from loom.server.openai.front import HttpFront
-from loom.server.servicer import LoomServicer
 from loom.server.tenants import Tenant, Tenants
+from loom.server.tls import server_context
 from loom.server.traffic import DrainPhase, Traffic
 
 LOWEST_PRIORITY = 19  # nice, for this thread only (Linux: a thread's own priority)

@@ -32,7 +32,7 @@ RENDER_SECONDS = 0.1
 def boundary_refusals(registry: CollectorRegistry) -> Callable[[str], None]:
     """`refused(cause)`: one more refusal by the network boundary, labelled with the limit's
     name (`max_connections`, `reset_streams_judged`, `request_timeout`, ...; see
-    loom/server/boundary/config.py), or `protocol_error` and `draining`."""
+    loom/server/boundary.py), or `protocol_error` and `draining`."""
     counter = Counter(
         "loom:boundary_refusals",
         "Connections and streams the network boundary refused or closed, by the limit",

@@ -29,19 +29,16 @@ from typing import Any, Protocol
 import attrs
 import trio
 
-from loom.core.fair_share import Tenancy
 from loom.core.prompt import Prompt
 from loom.core.request_output import NORMAL_FINISHES, RequestOutput
 from loom.core.sampling_params import SamplingParams
+from loom.core.tenancy import Tenancy
 from loom.engine.engine import Engine
 from loom.engine.request_stream import RequestStream
 from loom.server.bridge import TrioBridge
+from loom.server.ending import ClientGoneError
 
 log = logging.getLogger(__name__)
-
-
-class ClientGoneError(Exception):
-    """The client stopped reading; its stream was reset."""
 
 
 Live = dict[tuple[str, str], set[RequestStream]]  # by (tenant, request_id label): for Abort
@@ -57,42 +54,8 @@ class Submission:
     tenancy: Tenancy
 
 
-class Ending:
-    """What a sink's end means, the same for a gRPC call and an HTTP exchange: `when_ended`
-    callbacks run once, at the moment it ends (what must not outlive it, an engine request,
-    is released there); `arrived` tells the drain, once, that it has reached the engine."""
-
-    def __init__(self) -> None:
-        self.ended: str | None = None  # why, once it has
-        self.on_end: list[Callable[[], object]] = []
-        self.on_arrival: Callable[[], object] | None = None  # the drain counts arrivals
-
-    def run_end(self, why: str) -> bool:
-        """It has ended: the callbacks run now. False (and nothing run) if it had already."""
-        if self.ended is not None:
-            return False
-        self.ended = why
-        callbacks, self.on_end = self.on_end, []
-        for callback in callbacks:
-            callback()
-        return True
-
-    def when_ended(self, callback: Callable[[], object]) -> None:
-        """Run `callback` when it ends (at once, if it has)."""
-        if self.ended is not None:
-            callback()
-        else:
-            self.on_end.append(callback)
-
-    def arrived(self) -> None:
-        """It has been handed to the engine (or refused by it): once."""
-        hook, self.on_arrival = self.on_arrival, None
-        if hook is not None:
-            hook()
-
-
 class Sink(Protocol):
-    """Where a relay sends: a gRPC call (loom/server/boundary/call.py) or an HTTP exchange
+    """Where a relay sends: a gRPC call (loom/server/grpc/call.py) or an HTTP exchange
     (loom/server/openai/exchange.py)."""
 
     def when_ended(self, callback: Callable[[], object]) -> None: ...

@@ -12,7 +12,7 @@ from __future__ import annotations
 import enum
 from typing import Protocol
 
-from loom.server.boundary.config import BoundaryConfig
+from loom.server.boundary import BoundaryConfig
 from loom.server.bridge import Count
 from loom.server.caps import ConnectionCaps
 

@@ -20,11 +20,11 @@ from hypothesis import strategies as st
 
 from loom.core.block_manager import BlockManager
 from loom.core.config import SchedulerConfig
-from loom.core.fair_share import Tenancy
 from loom.core.request import Request
 from loom.core.sampling_params import SamplingParams
 from loom.core.scheduler import Scheduler
 from loom.core.step import SchedulerOutput
+from loom.core.tenancy import Tenancy
 from tests.factory import sampled
 
 MAX_PROMPT = 24

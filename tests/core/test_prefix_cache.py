@@ -5,11 +5,11 @@ from __future__ import annotations
 
 import attrs
 
-from loom.core.fair_share import Tenancy
 from loom.core.prefix_cache import block_hashes
 from loom.core.request import Request, RequestStatus
 from loom.core.request_output import Logprobs, TokenLogprob
 from loom.core.scheduler import Scheduler
+from loom.core.tenancy import Tenancy
 from tests.core.test_scheduler import make_scheduler, shape, step
 from tests.factory import make_request
 

@@ -10,11 +10,11 @@ import pytest
 from loom.core.block_manager import BlockManager
 from loom.core.config import SchedulerConfig
 from loom.core.expiry import expired, next_timer
-from loom.core.fair_share import Tenancy
 from loom.core.request import Request, RequestStatus
 from loom.core.sampling_params import SamplingParams
 from loom.core.scheduler import Scheduler
 from loom.core.step import SchedulerOutput
+from loom.core.tenancy import Tenancy
 from tests.factory import make_request, sampled
 
 

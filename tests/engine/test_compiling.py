@@ -16,8 +16,8 @@ import trio
 
 from loom.core.constraint import Constraint
 from loom.core.errors import EngineOverloadedError, InvalidRequestError
-from loom.core.fair_share import Tenancy
 from loom.core.sampling_params import SamplingParams
+from loom.core.tenancy import Tenancy
 from loom.engine.engine import Engine
 from loom.model.loader import LoadedModel
 from tests.compile_timing import QUICK, SLOW, Timing, limits, measure, schema

@@ -23,11 +23,11 @@ from hypothesis import strategies as st
 
 from loom.core.config import CacheConfig, SchedulerConfig
 from loom.core.errors import EngineDeadError, EngineOverloadedError, InvalidRequestError
-from loom.core.fair_share import Tenancy
 from loom.core.prompt import ChatMessage
 from loom.core.request_output import FinishReason, RequestOutput
 from loom.core.sampling_params import SamplingParams
 from loom.core.step import SchedulerOutput
+from loom.core.tenancy import Tenancy
 from loom.engine.config import EngineConfig
 from loom.engine.engine import Engine, RunnerFactory
 from loom.engine.request_stream import RequestStream

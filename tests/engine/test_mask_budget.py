@@ -12,8 +12,8 @@ import trio
 
 from loom.core.config import SchedulerConfig
 from loom.core.constraint import Constraint, ConstraintKind
-from loom.core.fair_share import Tenancy
 from loom.core.sampling_params import SamplingParams
+from loom.core.tenancy import Tenancy
 from loom.engine.engine import Engine
 from loom.model.loader import LoadedModel
 from tests.conftest import tiny_model

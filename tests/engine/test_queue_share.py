@@ -9,8 +9,8 @@ import attrs
 import pytest
 
 from loom.core.errors import EngineOverloadedError
-from loom.core.fair_share import Tenancy
 from loom.core.request import Request
+from loom.core.tenancy import Tenancy
 from loom.engine.queue_share import QueueShare
 from tests.factory import make_request
 

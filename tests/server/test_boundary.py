@@ -1,4 +1,4 @@
-"""The network boundary against hostile peers (loom/server/boundary/): one test per attack, a
+"""The network boundary against hostile peers (loom/server/grpc/): one test per attack, a
 bare HTTP/2 client (loom/chaos/attacks.py) against a `loom serve --model sim` process, whose
 memory is read from /proc while it is attacked. Each test prints its figures.
 

@@ -27,7 +27,7 @@ from loom.core.config import SchedulerConfig
 from loom.engine.engine import Engine
 from loom.model.loader import LoadedModel
 from loom.model.sim import SimRunner, load_sim
-from loom.server.boundary.config import BoundaryConfig
+from loom.server.boundary import BoundaryConfig
 from loom.server.openai.config import HttpConfig
 from loom.server.tenants import TenantConfig
 from tests.greedy import reference_tokens

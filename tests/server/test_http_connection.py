@@ -17,7 +17,7 @@ import time
 import trio
 
 from loom.model.sim import SimRunner, load_sim
-from loom.server.boundary.config import BoundaryConfig
+from loom.server.boundary import BoundaryConfig
 from loom.server.openai.config import HttpConfig
 from tests.http_client import HOST, post
 from tests.server.test_http_api import until

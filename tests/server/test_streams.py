@@ -1,4 +1,4 @@
-"""A stream's life at the network boundary (loom/server/boundary/), against a real server and
+"""A stream's life at the network boundary (loom/server/grpc/), against a real server and
 real clients: what a stream refused unread leaves behind, what a client's GOAWAY means for its
 streams in flight, and DATA sent where nothing is read.
 

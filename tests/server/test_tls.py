@@ -1,4 +1,4 @@
-"""TLS and mutual TLS at the network boundary (loom/server/boundary/tls.py), with certificates
+"""TLS and mutual TLS at the network boundary (loom/server/tls.py), with certificates
 made at test time (trustme), against grpclib and grpcio clients: both are served over TLS (ALPN
 h2); without a client certificate a mutual-TLS server refuses the handshake; a plaintext
 client to a TLS port is refused cleanly (no traceback in the server's log), and the server
@@ -29,12 +29,12 @@ from grpclib.exceptions import StreamTerminatedError
 from loom.engine.config import EngineConfig
 from loom.engine.engine import Engine
 from loom.model.loader import LoadedModel
-from loom.server.boundary.config import BoundaryConfig
-from loom.server.boundary.tls import client_context
+from loom.server.boundary import BoundaryConfig
 from loom.server.config import ServerConfig
 from loom.server.health_probe import check
 from loom.server.openai.config import HttpConfig
 from loom.server.supervisor import Supervisor
+from loom.server.tls import client_context
 from loom.v1 import loom_pb2 as pb
 from loom.v1.loom_grpc import LoomStub
 from tests.grpc_client import HOST, greedy, in_asyncio, token_ids

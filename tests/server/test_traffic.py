@@ -15,7 +15,7 @@ from grpclib import GRPCError, Status
 
 from loom.chaos import attacks
 from loom.model.sim import SimRunner, load_sim
-from loom.server.boundary.config import BoundaryConfig
+from loom.server.boundary import BoundaryConfig
 from loom.server.caps import ConnectionCaps
 from loom.server.openai.config import HttpConfig
 from loom.v1 import loom_pb2 as pb

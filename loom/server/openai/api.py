@@ -19,10 +19,10 @@ from collections.abc import Awaitable, Callable
 from functools import partial
 from typing import Any
 
-from loom.core.fair_share import Tenancy
 from loom.core.prompt import ChatMessage, Prompt
+from loom.core.tenancy import Tenancy
 from loom.engine.engine import Engine, EngineState
-from loom.server.boundary.config import BoundaryConfig
+from loom.server.boundary import BoundaryConfig
 from loom.server.bridge import TrioBridge
 from loom.server.openai.config import HttpConfig
 from loom.server.openai.errors import HttpError, StreamEndedError, http_errors, invalid

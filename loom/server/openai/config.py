@@ -1,6 +1,6 @@
 """The HTTP front's settings: where it listens and what one HTTP request may ask for. The
-connection caps, timeouts and the body budget are the network boundary's (loom/server/boundary/
-config.py), shared with the gRPC front."""
+connection caps, timeouts and the body budget are the network boundary's
+(loom/server/boundary.py), shared with the gRPC front."""
 
 from __future__ import annotations
 

@@ -26,7 +26,7 @@ from typing import Any
 
 import h11
 
-from loom.server.boundary.config import BoundaryConfig
+from loom.server.boundary import BoundaryConfig
 from loom.server.caps import Seat
 from loom.server.openai import head_gate
 from loom.server.openai.errors import HttpError

@@ -1,6 +1,6 @@
 """Errors as OpenAI's HTTP API gives them, `{"error": {"message", "type", "param", "code"}}`:
 the one place where engine errors and early ends become HTTP statuses (the gRPC mapping's
-twin, loom/server/status.py).
+twin, loom/server/grpc/status.py).
 
     400  a bad value, named with its limit (the engine's own validation) · 401 a bad key
     404  an unknown route or model · 408 the request's deadline passed (X-Request-Timeout)
@@ -22,7 +22,7 @@ from grpclib import GRPCError, Status
 
 from loom.core.errors import EngineDeadError, EngineOverloadedError, InvalidRequestError
 from loom.core.request_output import FinishReason, RequestOutput
-from loom.server.relay import ClientGoneError
+from loom.server.ending import ClientGoneError
 
 log = logging.getLogger(__name__)
 RETRY_AFTER_S = 1

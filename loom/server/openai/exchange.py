@@ -25,13 +25,12 @@ import uuid
 from collections.abc import Callable
 from typing import Any, TypeVar
 
-from loom.server.boundary.config import BoundaryConfig
+from loom.server.boundary import MAX_REQUEST_ID_CHARS, BoundaryConfig
+from loom.server.ending import Ending
 from loom.server.openai.errors import HttpError, invalid
 from loom.server.openai.json_body import BodyError, Whole, parse, rendered
 from loom.server.openai.message import JSON, HttpRequest, Response
-from loom.server.relay import Ending
 from loom.server.traffic import OverBudgetError, RequestBudget, Traffic
-from loom.server.wire import MAX_REQUEST_ID_CHARS
 
 T = TypeVar("T")
 MAX_TIMEOUT_S = 1e6

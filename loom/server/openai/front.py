@@ -22,7 +22,7 @@ import ssl
 from collections.abc import Awaitable, Callable
 from typing import Any
 
-from loom.server.boundary.config import BoundaryConfig
+from loom.server.boundary import BoundaryConfig
 from loom.server.caps import Seat
 from loom.server.listener import Listener
 from loom.server.openai.config import HttpConfig

@@ -14,7 +14,7 @@ import asyncio
 import socket
 from collections.abc import Callable
 
-from loom.server.boundary.config import BoundaryConfig
+from loom.server.boundary import BoundaryConfig
 
 
 class Outbound:

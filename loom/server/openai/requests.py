@@ -21,14 +21,14 @@ from typing import Any
 
 import attrs
 
-from loom.core.fair_share import Tenancy
 from loom.core.prompt import ChatMessage, Prompt
 from loom.core.sampling_params import MAX_STOP_TOKEN_IDS, SamplingParams
+from loom.core.tenancy import Tenancy
+from loom.server.boundary import MAX_CHAT_MESSAGES
 from loom.server.openai.errors import invalid
 from loom.server.openai.structured import constraint_of
 from loom.server.openai.tools import ToolUse, system_message, tool_turn, tool_use_of
 from loom.server.relay import Submission
-from loom.server.wire import MAX_CHAT_MESSAGES
 
 # A constraint of the client's is not composed with the tools' format: with `auto` it would
 # decide what the model may write inside a call (a grammar forcing `<tool_call>` and blanks

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import TYPE_CHECKING
 
 from grpclib.exceptions import StreamTerminatedError
@@ -21,17 +21,33 @@ from h2.errors import ErrorCodes
 from h2.exceptions import ProtocolError
 
 if TYPE_CHECKING:
-    from loom.server.boundary.call import Call
-    from loom.server.boundary.connection import Connection
+    from loom.server.grpc.call import Call
 
 
 class Outbound:
-    def __init__(self, connection: Connection) -> None:
-        self.connection = connection
-        self.h2: H2Connection = connection.h2
+    def __init__(
+        self,
+        h2: H2Connection,
+        write: Callable[[bytes], None],
+        closing: Callable[[], str | None],
+        sent: Callable[[int], None],
+    ) -> None:
+        self.h2 = h2
+        self.write = write  # to the transport, unless the connection is lost
+        self.closing = closing  # why the connection is closing; None while it is open
+        self.frames_sent = sent  # the gate counts frames of work sent
         self.writable = asyncio.Event()
         self.writable.set()
         self.paused_since: float | None = None  # not writable since then
+
+    def paused(self, now: float) -> None:
+        """The transport asks for no more writes (the peer is not taking them)."""
+        self.writable.clear()
+        self.paused_since = now
+
+    def resumed(self) -> None:
+        self.writable.set()
+        self.paused_since = None
 
     async def send_headers(
         self, call: Call, headers: list[tuple[str, str]], end_stream: bool = False
@@ -42,7 +58,7 @@ class Outbound:
             if not call.inbound.ended:
                 self.stop_input(call.stream_id)
             # In a drain, the connection's GOAWAY may follow in the same write.
-            self.connection.streams.release(call, "done")
+            call.release("done")
         self.sent(1)
 
     async def send_data(self, call: Call, data: bytes) -> None:
@@ -62,7 +78,7 @@ class Outbound:
         """Whether `size` bytes of DATA go out on `call`'s stream now, in one frame."""
         return (
             call.ended is None
-            and self.connection.closing is None
+            and self.closing() is None
             and self.writable.is_set()
             and size <= self.h2.max_outbound_frame_size
             and size <= self.h2.local_flow_control_window(call.stream_id)
@@ -88,44 +104,44 @@ class Outbound:
         try:
             yield
         except ProtocolError:  # StreamClosedError, StreamIDTooLowError: h2 has closed it
-            self.connection.streams.release(call, "the stream closed")
+            call.release("the stream closed")
             raise StreamTerminatedError("the stream closed") from None
 
     async def until_writable(self, call: Call) -> None:
         while True:
             call.check_open()
-            if self.connection.closing is not None:
-                raise StreamTerminatedError(self.connection.closing)
+            closing = self.closing()
+            if closing is not None:
+                raise StreamTerminatedError(closing)
             if self.writable.is_set():
                 return
             await self.writable.wait()
 
     def reset(self, call: Call) -> None:
-        if call.ended is None and self.connection.closing is None:
+        if call.ended is None and self.closing() is None:
             with contextlib.suppress(ProtocolError):  # closed already: nothing to reset
                 self.h2.reset_stream(call.stream_id, ErrorCodes.CANCEL)
             self.flush()
-        self.connection.streams.release(call, "reset by the server")
+        call.release("reset by the server")
 
     def acknowledge(self, stream_id: int, size: int) -> None:
-        if size and self.connection.closing is None:
+        if size and self.closing() is None:
             self.h2.acknowledge_received_data(size, stream_id)
             self.flush()
 
     def sent(self, num_frames: int) -> None:
         self.flush()
-        self.connection.gate.sent(num_frames)
+        self.frames_sent(num_frames)
 
     def flush(self) -> None:
         data = self.h2.data_to_send()
-        if data and not self.connection.lost and self.connection.transport is not None:
-            self.connection.transport.write(data)
+        if data:
+            self.write(data)
 
     def write_frames(self, frames: bytes) -> None:
         """Frames written past h2 (whose state stays as it was), after what h2 has queued, in
         the same write."""
-        if not self.connection.lost and self.connection.transport is not None:
-            self.connection.transport.write(self.h2.data_to_send() + frames)
+        self.write(self.h2.data_to_send() + frames)
 
     def stop_input(self, stream_id: int) -> None:
         """RST_STREAM(NO_ERROR) after a whole response: the client need send nothing more

@@ -37,6 +37,10 @@ import attrs
 
 from loom.core.setting import above, at_least, byte_size, setting
 
+# Fixed limits on a request's fields, the same on both ports.
+MAX_REQUEST_ID_CHARS = 128
+MAX_CHAT_MESSAGES = 4096
+
 
 @attrs.frozen(kw_only=True)
 class BoundaryConfig:

@@ -7,8 +7,11 @@ from collections.abc import Container
 
 from grpclib import Status
 from grpclib.metadata import encode_grpc_message
-from h2.settings import SettingCodes
+from h2.connection import H2Connection
+from h2.settings import SettingCodes, Settings
 from hyperframe.frame import Frame, GoAwayFrame, PingFrame, SettingsFrame
+
+from loom.server.boundary import BoundaryConfig
 
 CONTENT_TYPE = "application/grpc+proto"
 PROXY_WINDOW = 1 << 30  # a peer with this window reads all it is sent (nginx: 2^31-1)
@@ -31,6 +34,25 @@ def refusal_preface() -> bytes:
 
 def drain_ping() -> bytes:
     return bytes(PingFrame(0, opaque_data=DRAIN_PING_DATA).serialize())
+
+
+def server_preface(h2: H2Connection, config: BoundaryConfig, window: int) -> bytes:
+    """What the server sends first: its SETTINGS (the header list's limit, the streams' as
+    `advertised` says) and a connection window of `window` bytes."""
+    max_header_bytes = config.max_header_bytes
+    h2.local_settings = Settings(
+        client=False,
+        initial_values={
+            SettingCodes.MAX_CONCURRENT_STREAMS: ALL_STREAMS,
+            SettingCodes.MAX_HEADER_LIST_SIZE: max_header_bytes,
+        },
+    )
+    # The decoded size is hpack's to enforce, and the settings above are current at once (no
+    # ACK will apply them): so its decoder is told too.
+    h2.decoder.max_header_list_size = max_header_bytes
+    h2.initiate_connection()
+    h2.increment_flow_control_window(window - 65535)
+    return advertised(h2.data_to_send(), config.max_streams_per_connection)
 
 
 def advertised(preface: bytes, max_streams: int) -> bytes:

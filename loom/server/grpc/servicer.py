@@ -1,5 +1,5 @@
 """The loom.v1 gRPC handlers, in the server's asyncio thread: thin. Each Generate call reads its
-request (its size, timing and framing checked by the call itself, loom/server/boundary/call.py)
+request (its size, timing and framing checked by the call itself, loom/server/grpc/call.py)
 and hands it to a `Relay`, which owns the engine request from submit to end; the other two
 methods ask the engine through the bridge. Every call but a health probe has a tenant
 (loom/server/tenants.py): its Generate calls are its own to abort, and its stats show the
@@ -16,11 +16,11 @@ from grpclib.server import Stream
 
 from loom.core.request_output import RequestOutput
 from loom.engine.engine import Engine
-from loom.server import wire
-from loom.server.boundary.call import Call
 from loom.server.bridge import TrioBridge
+from loom.server.grpc import wire
+from loom.server.grpc.call import Call
+from loom.server.grpc.status import ABNORMAL_STATUS, status_errors
 from loom.server.relay import Live, Relay, Submission
-from loom.server.status import ABNORMAL_STATUS, status_errors
 from loom.v1 import loom_pb2 as pb
 from loom.v1.loom_grpc import LoomBase
 

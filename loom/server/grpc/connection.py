@@ -4,14 +4,14 @@ started and ended, writes under flow control, every limit enforced where the fra
     data_received ─▶ FrameGate.scan (counts, rates, unfinished frames; the peer's GOAWAY cut
                      out: Loom lets its streams finish, then closes) ─▶ h2.receive_data ─▶ events
         RequestReceived  ─▶ refused at once (draining, over the streams limit, not gRPC),
-                            or a Call and its handler task (Endpoint.serve)
+                            or a Call and its handler task (the endpoint's `Dispatch.admitted`)
         DataReceived / StreamEnded ─▶ the call's request stream
         StreamReset      ─▶ the call ends now (its `when_ended` callbacks: the engine abort)
         WindowUpdated    ─▶ senders waiting for window wake
         PingAckReceived  ─▶ the drain's PING answered: the peer heard
     connection_lost ─▶ every call ends now; nothing more is written
 
-One timer at a time (loom/server/boundary/watchdog.py) says when the connection has waited too
+One timer at a time (loom/server/grpc/watchdog.py) says when the connection has waited too
 long: for its preface, for the rest of a header block or frame, for its peer to take what it
 was sent (`write_timeout`; meanwhile the connection is not read, so a peer that floods PINGs
 without reading answers fills only its own socket), or, with no stream open, for a new stream
@@ -20,122 +20,109 @@ connection closes by GOAWAY, then half-closes and reads (discarding) until the p
 `LINGER` passes, so that what it was sent last is not lost to a reset; an abusive one is not
 read meanwhile.
 
-What grpclib's own server does differently, and why Loom does not use it: a stream reset
-before its handler task starts is never released (rapid reset keeps ~9 KB a stream for the
-connection's life, and every later SETTINGS or WINDOW_UPDATE walks the dead streams); it
-answers PINGs and SETTINGS into an unbounded buffer for a peer that does not read; it has no
-preface, header, body or idle timeouts and no connection limits; and on a lost connection it
-ends a handler only by cancelling its task, which a swallowed cancellation defeats (Python
-3.11's asyncio.wait_for swallowed one, and the request ran on, writing into a dead socket).
-Here the connection owns each stream's end, and a call's end runs what must not outlive it
-(the engine abort) itself.
+Its phase, one at a time: OPEN, then CLOSING (GOAWAY sent, half-closed, lingering: nothing
+more is parsed), then LOST (the transport is gone: nothing more is written). While OPEN, it
+may be going away at its last stream (`at_last_stream`): the peer sent GOAWAY (then it
+closes), or a drain told a proxy to go (then it sends GOAWAY).
+
+Its parts take what they need of it, as callables: the sender a `write`, the streams a `busy`
+and a `done`, the watchdog a `due`.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import enum
 import logging
 import socket
-from typing import TYPE_CHECKING, Any
+from collections.abc import Callable
 
 import h2.events
 from h2.config import H2Configuration
 from h2.connection import H2Connection
 from h2.errors import ErrorCodes
 from h2.exceptions import ProtocolError
-from h2.settings import SettingCodes, Settings
 
-from loom.server.boundary.frames import (
-    ALL_STREAMS,
+from loom.server.caps import Seat
+from loom.server.grpc.call import Peer
+from loom.server.grpc.frames import (
     DRAIN_PING_DATA,
     PROXY_WINDOW,
-    advertised,
     drain_ping,
     goaway,
+    server_preface,
 )
-from loom.server.boundary.gate import FrameGate, GateLimits, LimitError
-from loom.server.boundary.outbound import Outbound
-from loom.server.boundary.streams import Streams
-from loom.server.boundary.watchdog import Watchdog
-from loom.server.caps import Seat
-
-if TYPE_CHECKING:
-    from loom.server.boundary.endpoint import Endpoint
+from loom.server.grpc.gate import FrameGate, GateLimits, LimitError
+from loom.server.grpc.outbound import Outbound
+from loom.server.grpc.streams import Dispatch, Streams
+from loom.server.grpc.watchdog import Due, Watchdog, first_due
 
 log = logging.getLogger(__name__)
 CONNECTION_WINDOW = 256 << 10  # bytes unread on a connection; its streams keep h2's 64 KiB
 LINGER = 2.0  # seconds a closing connection waits for its peer to close
 
 
+class Phase(enum.Enum):
+    OPEN = "open"
+    CLOSING = "closing"  # GOAWAY sent, half-closed, lingering: nothing more is parsed
+    LOST = "lost"  # the transport is gone: nothing more is written
+
+
 class Connection(asyncio.Protocol):
-    def __init__(self, endpoint: Endpoint, seat: Seat) -> None:
-        self.endpoint = endpoint
+    def __init__(
+        self,
+        dispatch: Dispatch,
+        seat: Seat,
+        connected: Callable[[], None],
+        disconnected: Callable[[], None],
+    ) -> None:
+        self.dispatch = dispatch
         self.seat = seat  # its place under the connection caps
-        self.host = seat.host  # the peer's address, as the listener counts it
-        self.config = endpoint.config
-        self.budget = endpoint.budget
+        self.connected = connected  # the endpoint counts it (once made, even if refused)
+        self.disconnected = disconnected
+        self.config = config = dispatch.limits
+        self.refused = dispatch.refused
         self.loop = asyncio.get_running_loop()
         self.transport: asyncio.Transport | None = None
-        self.peer_address: Any = None
-        self.peer_cert: dict[str, Any] | None = None
+        self.peer = Peer()
         self.h2 = H2Connection(H2Configuration(client_side=False, header_encoding=None))
-        self.gate = FrameGate(
-            GateLimits(
-                max_header_bytes=self.config.max_header_bytes,
-                min_streams_judged=self.config.reset_streams_judged,
-                control_frame_burst=self.config.control_frame_burst,
-                control_frames_per_second=self.config.control_frames_per_second,
-            ),
-            clock=self.loop.time,
+        self.gate = FrameGate(GateLimits.of(config), clock=self.loop.time)
+        self.out = Outbound(self.h2, self.write, self.closing, self.gate.sent)
+        self.streams = Streams(
+            dispatch, self.h2, self.gate, self.out, self.peer, self.busy, self.stream_done
         )
-        self.out = Outbound(self)
-        self.streams = Streams(self)
         self.made_at = self.loop.time()
         self.idle_since: float | None = self.made_at
-        self.closing: str | None = None  # why it is closing: nothing more is parsed
-        self.lost = False
-        self.watchdog = Watchdog(self)
-        self.unheard = False  # told to go away, with a PING not yet answered
-        self.goaway_after_last_stream = False  # in a drain, for a proxy
-        self.peer_going_away = False  # the peer sent GOAWAY
+        self.phase = Phase.OPEN
+        self.why = ""  # why it is closing, once it is
+        self.at_last_stream: Callable[[], None] | None = None  # going away: what then
+        self.unheard = False  # told to go away by a drain, with its PING not yet answered
+        self.watchdog = Watchdog(self.loop, self.due, self.waited_too_long)
 
     # asyncio.Protocol
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         self.transport = transport  # type: ignore[assignment]
         assert self.transport is not None
-        self.peer_address = transport.get_extra_info("peername")
-        self.peer_cert = transport.get_extra_info("peercert")  # with mutual TLS
+        self.peer.address = transport.get_extra_info("peername")
+        self.peer.certificate = transport.get_extra_info("peercert")  # with mutual TLS
         tls = transport.get_extra_info("ssl_object")
         if tls is not None and tls.selected_alpn_protocol() != "h2":
-            self.endpoint.connected(self)  # counted, so that its end gives its place back
-            self.endpoint.refused("tls_alpn")  # gRPC is HTTP/2: a TLS client must agree to h2
+            self.connected()  # counted, so that its end gives its place back
+            self.refused("tls_alpn")  # gRPC is HTTP/2: a TLS client must agree to h2
             self.transport.abort()
             return
         sock = transport.get_extra_info("socket")
         if sock is not None and sock.family in (socket.AF_INET, socket.AF_INET6):
             sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
         self.transport.set_write_buffer_limits(high=self.config.write_buffer_bytes)
-        self.h2.local_settings = Settings(
-            client=False,
-            initial_values={
-                SettingCodes.MAX_CONCURRENT_STREAMS: ALL_STREAMS,
-                SettingCodes.MAX_HEADER_LIST_SIZE: self.config.max_header_bytes,
-            },
-        )
-        # The decoded size is hpack's to enforce, and the settings above are current at once
-        # (no ACK will apply them): so its decoder is told too.
-        self.h2.decoder.max_header_list_size = self.config.max_header_bytes
-        self.h2.initiate_connection()
-        self.h2.increment_flow_control_window(CONNECTION_WINDOW - 65535)
-        preface = self.h2.data_to_send()
-        self.transport.write(advertised(preface, self.config.max_streams_per_connection))
-        self.endpoint.connected(self)
+        self.transport.write(server_preface(self.h2, self.config, CONNECTION_WINDOW))
+        self.connected()
         self.watchdog.rearm()
 
     def data_received(self, data: bytes) -> None:
-        if self.closing is not None:
+        if self.phase is not Phase.OPEN:
             return  # lingering: read and dropped
         refusal: LimitError | None = None
         try:
@@ -145,37 +132,39 @@ class Connection(asyncio.Protocol):
         try:
             events = self.h2.receive_data(frames)
         except ProtocolError as exc:
-            log.debug("HTTP/2 protocol error from %s: %s", self.peer_address, exc)
-            self.endpoint.refused("protocol_error")
+            log.debug("HTTP/2 protocol error from %s: %s", self.peer.address, exc)
+            self.refused("protocol_error")
             self.close("protocol error", abusive=True)  # h2 has queued its GOAWAY
             return
         try:
             for event in events:
-                self.handle(event)
+                if isinstance(event, h2.events.PingAckReceived):
+                    if event.ping_data == DRAIN_PING_DATA:
+                        self.heard()
+                else:
+                    self.streams.handle(event)
         except LimitError as exc:
             refusal = refusal or exc
         self.out.flush()
         if refusal is not None:
             self.calm_down(refusal)
             return
-        if self.gate.goaway_received and not self.peer_going_away:
-            self.peer_going_away = True  # it opens no more streams; its open ones finish
+        if self.gate.goaway_received:  # it opens no more streams: its open ones finish
+            self.at_last_stream = self.went_away
             self.stream_done()
         self.watchdog.rearm()
 
     def pause_writing(self) -> None:
         """The peer is not taking what it is sent: stop reading from it (its PINGs and
         SETTINGS would be answered into memory) and wait."""
-        self.out.writable.clear()
-        self.out.paused_since = self.loop.time()
-        if self.transport is not None and self.closing is None:
+        self.out.paused(self.loop.time())
+        if self.transport is not None and self.phase is Phase.OPEN:
             self.transport.pause_reading()
         self.watchdog.rearm()
 
     def resume_writing(self) -> None:
-        self.out.writable.set()
-        self.out.paused_since = None
-        if self.transport is not None and self.closing is None and not self.lost:
+        self.out.resumed()
+        if self.transport is not None and self.phase is Phase.OPEN:
             self.transport.resume_reading()
         self.watchdog.rearm()
 
@@ -183,63 +172,68 @@ class Connection(asyncio.Protocol):
         return None  # the peer is done: close
 
     def connection_lost(self, exc: Exception | None) -> None:
-        self.lost = True
-        self.closing = self.closing or "the connection was lost"
-        self.streams.end_all(self.closing)
+        self.why = self.why or "the connection was lost"
+        self.phase = Phase.LOST
+        self.streams.end_all(self.why)
         self.out.writable.set()  # waiting senders wake and find their call ended
         self.watchdog.stop()
         self.heard()
-        self.endpoint.disconnected(self)
+        self.disconnected()
 
-    # Events
+    # What its parts ask of it
 
-    def handle(self, event: Any) -> None:
-        if isinstance(event, h2.events.RequestReceived):
-            self.streams.open(event)
-        elif isinstance(event, h2.events.DataReceived):
-            self.streams.data(event)
-        elif isinstance(event, h2.events.StreamEnded):
-            self.streams.ended(event.stream_id)
-        elif isinstance(event, h2.events.StreamReset):
-            self.streams.reset(event)
-        elif isinstance(event, h2.events.WindowUpdated):
-            self.streams.window_updated(event.stream_id)
-        elif isinstance(event, h2.events.RemoteSettingsChanged):
-            if SettingCodes.INITIAL_WINDOW_SIZE in event.changed_settings:
-                self.streams.window_updated(0)
-        elif isinstance(event, h2.events.PingAckReceived) and event.ping_data == DRAIN_PING_DATA:
-            self.heard()
+    def write(self, data: bytes) -> None:
+        if self.phase is not Phase.LOST and self.transport is not None:
+            self.transport.write(data)
 
-    def refused(self, cause: str) -> None:
-        self.endpoint.refused(cause)
+    def closing(self) -> str | None:
+        """Why it is closing, or lost; None while it is open."""
+        return None if self.phase is Phase.OPEN else self.why
+
+    def busy(self) -> None:
+        """A stream opened: not idle (nor its place free to give to a new connection)."""
+        self.idle_since = None
+        self.seat.busy()
+
+    def due(self) -> Due | None:
+        if self.phase is not Phase.OPEN:
+            return None
+        return first_due(
+            self.config,
+            made_at=self.made_at,
+            preface_done=self.gate.preface_done,
+            unfinished_since=self.gate.unfinished_since,
+            paused_since=self.out.paused_since,
+            idle_since=None if self.streams.calls else self.idle_since,
+        )
 
     def stream_done(self) -> None:
-        if self.streams.calls or self.closing is not None:
+        if self.streams.calls or self.phase is not Phase.OPEN:
             return
-        if self.peer_going_away:
-            self.close("the client went away")
-            return
+        if self.at_last_stream is not None:
+            self.at_last_stream()
+            if self.phase is not Phase.OPEN:
+                return
         self.idle_since = self.loop.time()
         self.seat.idle()
-        if self.goaway_after_last_stream:
-            self.goaway_after_last_stream = False
-            if self.h2.remote_settings.initial_window_size >= PROXY_WINDOW:
-                self.out.write_frames(goaway(ErrorCodes.NO_ERROR))
         self.watchdog.rearm()
 
+    def went_away(self) -> None:
+        self.close("the client went away")
+
     def waited_too_long(self, cause: str) -> None:
-        """The watchdog's verdict (loom/server/boundary/watchdog.py)."""
+        """The watchdog's verdict (loom/server/grpc/watchdog.py)."""
         if cause == "idle_timeout":
             self.close("idle", error_code=ErrorCodes.NO_ERROR)
             return
-        self.endpoint.refused(cause)
+        self.refused(cause)
         limit = getattr(self.config, cause)
         why = f"{cause}={limit} s passed"
         self.close(why, error_code=ErrorCodes.NO_ERROR, why=why, abusive=True)
 
     def calm_down(self, refusal: LimitError) -> None:
-        self.endpoint.refused(refusal.cause)
-        log.info("connection from %s: %s", self.peer_address, refusal.message)
+        self.refused(refusal.cause)
+        log.info("connection from %s: %s", self.peer.address, refusal.message)
         self.close(refusal.cause, error_code=refusal.error_code, why=refusal.message, abusive=True)
 
     def close(
@@ -252,12 +246,12 @@ class Connection(asyncio.Protocol):
     ) -> None:
         """GOAWAY (unless h2 sent one), half-close, and linger for the peer's close; every
         call still open ends now."""
-        if self.closing is not None or self.transport is None:
+        if self.phase is not Phase.OPEN or self.transport is None:
             return
         self.out.flush()
         if error_code is not None:
             self.out.write_frames(goaway(error_code, self.h2.highest_inbound_stream_id, why))
-        self.closing = reason
+        self.phase, self.why = Phase.CLOSING, reason
         self.streams.end_all(reason)
         self.out.writable.set()
         if abusive:
@@ -273,22 +267,29 @@ class Connection(asyncio.Protocol):
     def announce_drain(self) -> None:
         """Go away: an idle connection is told now (a PING, then a GOAWAY that lets every
         stream through, in one write), a busy one after its last stream if it is a proxy."""
-        if self.closing is not None:
+        if self.phase is not Phase.OPEN:
             return
         if self.streams.calls:
-            self.goaway_after_last_stream = True
+            self.at_last_stream = self.at_last_stream or self.tell_a_proxy
             return
         self.out.write_frames(drain_ping() + goaway(ErrorCodes.NO_ERROR))
         if not self.unheard:
             self.unheard = True
-            self.endpoint.traffic.unheard.add(1)
+            self.dispatch.traffic.unheard.add(1)
+
+    def tell_a_proxy(self) -> None:
+        """The drain's GOAWAY after a busy connection's last stream, if its peer is a proxy
+        (a window of 2^30 or more: grpclib's client drops unread messages at a GOAWAY)."""
+        self.at_last_stream = None
+        if self.h2.remote_settings.initial_window_size >= PROXY_WINDOW:
+            self.out.write_frames(goaway(ErrorCodes.NO_ERROR))
 
     def heard(self) -> None:
         """The drain's PING was answered (every call sent before it has arrived), or the
         connection closed."""
         if self.unheard:
             self.unheard = False
-            self.endpoint.traffic.unheard.add(-1)
+            self.dispatch.traffic.unheard.add(-1)
 
     def refuse_new_calls(self) -> None:
         """New streams are refused from now on (see `stream_refusal`); an idle connection is

@@ -21,11 +21,12 @@ from grpclib import GRPCError, Status
 from grpclib.exceptions import StreamTerminatedError
 from h2.errors import ErrorCodes
 
-from loom.server.boundary.call import Call
-from loom.server.boundary.config import BoundaryConfig
-from loom.server.boundary.connection import Connection
-from loom.server.boundary.frames import GENERATE_PATH, goaway, refusal_preface
+from loom.server.boundary import BoundaryConfig
 from loom.server.caps import Seat
+from loom.server.grpc.call import Call
+from loom.server.grpc.connection import Connection
+from loom.server.grpc.frames import GENERATE_PATH, goaway, refusal_preface
+from loom.server.grpc.streams import Dispatch
 from loom.server.listener import Listener
 from loom.server.traffic import DrainPhase, Traffic
 
@@ -53,8 +54,10 @@ class Endpoint:
         self.identify = identify  # the call's tenant, or GRPCError(UNAUTHENTICATED)
         self.tls = tls
         self.listener = Listener(self.caps, self.accepted, self.refused, refusal)
+        self.dispatch = Dispatch(config, traffic, self.mapping, self.refused, self.admitted)
         self.connections: set[Connection] = set()
         self.setting_up: set[asyncio.Task[Any]] = set()  # accepted, not yet connected
+        self.handlers: set[asyncio.Task[None]] = set()  # the calls' tasks, held till done
         traffic.fronts.append(self)
 
     async def start(self, host: str, port: int) -> int:
@@ -68,7 +71,7 @@ class Endpoint:
         drain, it counts as unheard until connected (then told, like the others)."""
         loop = asyncio.get_running_loop()
         connect = loop.connect_accepted_socket(
-            lambda: Connection(self, seat),
+            partial(self.connection, seat),
             sock,
             ssl=self.tls,
             ssl_handshake_timeout=self.config.preface_timeout if self.tls else None,
@@ -91,6 +94,16 @@ class Endpoint:
         task.add_done_callback(done)
         if self.traffic.phase is not DrainPhase.SERVING:
             self.wait_for_setup(task)
+
+    def connection(self, seat: Seat) -> Connection:
+        def connected() -> None:
+            self.connected(connection)
+
+        def disconnected() -> None:
+            self.disconnected(connection)
+
+        connection = Connection(self.dispatch, seat, connected, disconnected)
+        return connection
 
     def wait_for_setup(self, task: asyncio.Task[Any]) -> None:
         unheard = self.traffic.unheard
@@ -123,9 +136,10 @@ class Endpoint:
 
     # Calls
 
-    def opened(self, call: Call) -> None:
-        """A call admitted: a Generate call is counted as arriving until its handler has handed
-        it to the engine (`Call.arrived`) or it ended (loom/server/drain.py waits for them)."""
+    def admitted(self, call: Call) -> None:
+        """A call admitted on one of the connections: its handler begins. A Generate call is
+        counted as arriving until its handler has handed it to the engine (`Call.arrived`) or
+        it ended (loom/server/drain.py waits for them), and in flight until it ends."""
         if call.path == GENERATE_PATH:
             arriving, in_flight = self.traffic.arriving, self.traffic.in_flight
             arriving.add(1)
@@ -133,6 +147,10 @@ class Endpoint:
             call.on_arrival = lambda: arriving.add(-1)
             call.when_ended(call.arrived)
             call.when_ended(lambda: in_flight.add(-1))
+        task = asyncio.get_running_loop().create_task(self.serve(call))
+        call.task = task
+        self.handlers.add(task)
+        task.add_done_callback(self.handlers.discard)
 
     async def serve(self, call: Call) -> None:
         """Name the call's tenant (refused: its GRPCError), then run its handler; its status
@@ -156,7 +174,7 @@ class Endpoint:
             log.exception("the handler of %s failed", method.func.__qualname__)
             await end_with(call, Status.UNKNOWN, "Internal Server Error")
         finally:
-            call.connection.streams.release(call, "done")
+            call.release("done")
 
     # The drain
 

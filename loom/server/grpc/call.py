@@ -3,7 +3,7 @@ API (`recv_message`, `async for`, `send_message`, `send_trailing_metadata`, `can
 `deadline`, `metadata`, `peer`, `user_agent`), so grpclib's servicers (health, reflection,
 the generated loom.v1 base) run on it unchanged.
 
-Reading (the bytes themselves: loom/server/boundary/inbound.py): a request message is read
+Reading (the bytes themselves: loom/server/grpc/inbound.py): a request message is read
 whole, as its 5-byte prefix declares: a compressed one is INVALID_ARGUMENT, one over
 `max_request_bytes` RESOURCE_EXHAUSTED, unread; the first message must be whole within
 `request_timeout` of the stream's start (or by the client's deadline, if sooner:
@@ -23,21 +23,20 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import struct
-from collections.abc import AsyncIterator
-from typing import TYPE_CHECKING, Any
+from collections.abc import AsyncIterator, Callable
+from typing import Any, Protocol
 
+import attrs
 from google.protobuf.message import DecodeError
 from grpclib import GRPCError, Status
 from grpclib.exceptions import StreamTerminatedError
 from grpclib.metadata import Deadline, encode_grpc_message, encode_metadata
 from multidict import MultiDict
 
-from loom.server.boundary.frames import CONTENT_TYPE
-from loom.server.boundary.inbound import Inbound
-from loom.server.relay import Ending
-
-if TYPE_CHECKING:
-    from loom.server.boundary.connection import Connection
+from loom.server.boundary import BoundaryConfig
+from loom.server.ending import Ending
+from loom.server.grpc.frames import CONTENT_TYPE
+from loom.server.grpc.inbound import Inbound
 
 PREFIX = struct.Struct(">?I")
 
@@ -49,9 +48,11 @@ def framed(message: Any) -> bytes:
 
 
 class Peer:
-    def __init__(self, address: Any, cert: dict[str, Any] | None) -> None:
-        self.address = address
-        self.certificate = cert
+    """The client, as grpclib's `Stream.peer` gives it; known once its connection is made."""
+
+    def __init__(self) -> None:
+        self.address: Any = None
+        self.certificate: dict[str, Any] | None = None
 
     def addr(self) -> Any:
         """The peer's (host, port)."""
@@ -62,28 +63,56 @@ class Peer:
         return self.certificate
 
 
+class Sender(Protocol):
+    """How a call writes on its connection (loom/server/grpc/outbound.py)."""
+
+    async def send_headers(
+        self, call: Call, headers: list[tuple[str, str]], end_stream: bool = False
+    ) -> None: ...
+    async def send_data(self, call: Call, data: bytes) -> None: ...
+    def can_send(self, call: Call, size: int) -> bool: ...
+    def write_headers(
+        self, call: Call, headers: list[tuple[str, str]], end_stream: bool = False
+    ) -> None: ...
+    def write_data(self, call: Call, data: bytes) -> None: ...
+    def reset(self, call: Call) -> None: ...
+
+
+@attrs.frozen
+class Link:
+    """What the calls of one connection have of it."""
+
+    out: Sender
+    limits: BoundaryConfig
+    refused: Callable[[str], None]  # counts a refusal by the limit that made it
+    release: Callable[[Call, str], None]  # the call is over on the connection
+    peer: Peer
+
+
 class Call(Ending):
     def __init__(
         self,
-        connection: Connection,
+        link: Link,
         stream_id: int,
         path: str,
         method: Any,  # grpclib.const.Handler: func, cardinality, request_type, reply_type
         headers: list[tuple[str, str]],
         deadline: Deadline | None,
         metadata: Any,
+        inbound: Inbound,
     ) -> None:
         super().__init__()
-        self.connection = connection
+        self.link = link
+        self.out = link.out
         self.stream_id = stream_id
         self.path = path
         self.method = method
         self.deadline = deadline
         self.metadata = metadata
         self.user_agent = dict(headers).get("user-agent")
-        self.peer = Peer(connection.peer_address, connection.peer_cert)
+        self.peer = link.peer
         self.started = asyncio.get_running_loop().time()
-        self.inbound = Inbound(self)
+        self.inbound = inbound
         self.window_open = asyncio.Event()
         self.num_received = 0
         self.headers_sent = False
@@ -98,13 +127,16 @@ class Call(Ending):
         False if it had ended already."""
         if self.ended is not None:
             return False
-        self.inbound.discard()
+        self.inbound.call_ended(why)
         self.run_end(why)
-        self.inbound.readable.set()
         self.window_open.set()
         if self.task is not None and self.task is not asyncio.current_task():
             self.task.cancel()
         return True
+
+    def release(self, why: str) -> None:
+        """The call is over on its connection (its handler may still be finishing)."""
+        self.link.release(self, why)
 
     def check_open(self) -> None:
         if self.ended is not None:
@@ -116,7 +148,7 @@ class Call(Ending):
         """The next request message, or None at the end of the client's messages. The first
         must be whole within `request_timeout` of the stream's start; a later one, within
         `request_timeout` of its prefix."""
-        limit = self.connection.config.request_timeout
+        limit = self.link.limits.request_timeout
         first = self.num_received == 0
         async with self.in_time(self.started + limit if first else None):
             prefix = await self.inbound.read(PREFIX.size)
@@ -147,9 +179,9 @@ class Call(Ending):
             ) from exc
 
     def check_size(self, size: int) -> None:
-        limit = self.connection.config.max_request_bytes
+        limit = self.link.limits.max_request_bytes
         if size > limit:
-            self.connection.refused("max_request_bytes")
+            self.link.refused("max_request_bytes")
             raise GRPCError(
                 Status.RESOURCE_EXHAUSTED,
                 f"the request message has {size} bytes; the limit is max_request_bytes={limit}",
@@ -172,8 +204,8 @@ class Call(Ending):
                 raise GRPCError(
                     Status.DEADLINE_EXCEEDED, "the deadline passed before the request came"
                 ) from None
-            self.connection.refused("request_timeout")
-            limit = self.connection.config.request_timeout
+            self.link.refused("request_timeout")
+            limit = self.link.limits.request_timeout
             raise GRPCError(
                 Status.RESOURCE_EXHAUSTED,
                 f"no whole request message within request_timeout={limit} s",
@@ -195,26 +227,24 @@ class Call(Ending):
             raise RuntimeError("initial metadata was already sent")
         headers = [(":status", "200"), ("content-type", CONTENT_TYPE)]
         headers += encode_metadata(MultiDict(metadata or ()))
-        await self.connection.out.send_headers(self, headers)
+        await self.out.send_headers(self, headers)
         self.headers_sent = True
 
     async def send_message(self, message: Any) -> None:
         if not self.headers_sent:
             await self.send_initial_metadata()
-        await self.connection.out.send_data(self, framed(message))
+        await self.out.send_data(self, framed(message))
 
     def send_message_nowait(self, message: Any) -> bool:
         """Send `message` at once if the connection can take it whole now (writable, window for
         all of it): True. False when it would have to wait (nothing of it sent then)."""
         data = framed(message)
-        if not self.connection.out.can_send(self, len(data)):
+        if not self.out.can_send(self, len(data)):
             return False
         if not self.headers_sent:
-            self.connection.out.write_headers(
-                self, [(":status", "200"), ("content-type", CONTENT_TYPE)]
-            )
+            self.out.write_headers(self, [(":status", "200"), ("content-type", CONTENT_TYPE)])
             self.headers_sent = True
-        self.connection.out.write_data(self, data)
+        self.out.write_data(self, data)
         return True
 
     async def try_send(self, message: Any) -> bool:
@@ -239,8 +269,8 @@ class Call(Ending):
             headers.append(("grpc-message", encode_grpc_message(status_message)))
         headers += encode_metadata(MultiDict(metadata or ()))
         self.trailers_sent = True
-        await self.connection.out.send_headers(self, headers, end_stream=True)
+        await self.out.send_headers(self, headers, end_stream=True)
 
     async def cancel(self) -> None:
         """RST_STREAM(CANCEL): the client learns there is nothing more to expect."""
-        self.connection.out.reset(self)
+        self.out.reset(self)

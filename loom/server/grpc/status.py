@@ -13,7 +13,7 @@ from grpclib.exceptions import StreamTerminatedError
 
 from loom.core.errors import EngineDeadError, EngineOverloadedError, InvalidRequestError
 from loom.core.request_output import FinishReason
-from loom.server.relay import ClientGoneError
+from loom.server.ending import ClientGoneError
 
 log = logging.getLogger(__name__)
 

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import ssl
 
-from loom.server.boundary.config import BoundaryConfig
+from loom.server.boundary import BoundaryConfig
 
 
 def server_context(

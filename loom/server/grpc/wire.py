@@ -12,15 +12,14 @@ import attrs
 
 from loom.core.constraint import Constraint, ConstraintKind
 from loom.core.errors import InvalidRequestError
-from loom.core.fair_share import MAX_PRIORITY, Tenancy
 from loom.core.prompt import ChatMessage, Prompt
 from loom.core.request_output import FinishReason, Logprobs, RequestOutput
 from loom.core.sampling_params import SamplingParams
+from loom.core.tenancy import MAX_PRIORITY, Tenancy
 from loom.engine.stats import EngineStats, ModelInfo, TenantStats
+from loom.server.boundary import MAX_CHAT_MESSAGES, MAX_REQUEST_ID_CHARS
 from loom.v1 import loom_pb2 as pb
 
-MAX_REQUEST_ID_CHARS = 128
-MAX_CHAT_MESSAGES = 4096
 FINISH_REASONS = {
     FinishReason.STOP: pb.FINISH_REASON_STOP,
     FinishReason.LENGTH: pb.FINISH_REASON_LENGTH,

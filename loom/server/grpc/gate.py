@@ -1,5 +1,5 @@
 """The frames a peer sends, counted as they arrive and before h2 parses them: where the
-connection's limits are enforced (the limits themselves: loom/server/boundary/config.py).
+connection's limits are enforced (the limits themselves: loom/server/boundary.py).
 
 `FrameGate.scan(data)` reads the byte stream frame by frame (after the 24-byte client
 preface), looking at each 9-byte frame header and skipping the payload, so it costs a few
@@ -42,6 +42,8 @@ from collections.abc import Callable
 import attrs
 from h2.errors import ErrorCodes
 
+from loom.server.boundary import BoundaryConfig
+
 PREFACE = b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n"
 FRAME_HEADER_SIZE = 9
 DATA, HEADERS, PRIORITY, RST_STREAM, SETTINGS = 0x0, 0x1, 0x2, 0x3, 0x4
@@ -70,6 +72,15 @@ class GateLimits:
     min_streams_judged: int
     control_frame_burst: int
     control_frames_per_second: float
+
+    @classmethod
+    def of(cls, config: BoundaryConfig) -> GateLimits:
+        return cls(
+            max_header_bytes=config.max_header_bytes,
+            min_streams_judged=config.reset_streams_judged,
+            control_frame_burst=config.control_frame_burst,
+            control_frames_per_second=config.control_frames_per_second,
+        )
 
 
 @attrs.define
