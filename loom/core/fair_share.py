@@ -88,10 +88,6 @@ class FairShare:
         for t in idle:  # lifted to the floor anyway, were they to come back
             del self.counters[t]
 
-    def victim_key(self, request: Request) -> tuple[float, int]:
-        """For a victim of blocks: the most served tenant's, then its lowest priority."""
-        return (self.counters[request.tenant], request.tenancy.priority)
-
     def backlogged(self) -> Iterable[str]:
         return self.num_unfinished.keys()
 
@@ -112,17 +108,11 @@ class FairShare:
         return {t: total * self.weights[t] / weight for t in wanting}
 
     def admission_order(
-        self, waiting: Iterable[Request], running: Iterable[Request], policy: str
+        self, waiting: Iterable[Request], running: Iterable[Request]
     ) -> Iterator[Request]:
-        """The unpaused waiting requests, next to admit first, by the scheduling policy: fair
-        (below), priority (then arrival), fcfs (arrival). Lazy: what was admitted before (its
-        service, counted as it is scheduled) orders what comes next."""
-        if policy != "fair":
-            ready = [r for r in waiting if not r.paused]
-            if policy == "priority":
-                ready.sort(key=lambda r: (r.tenancy.priority, r.arrival_time))
-            yield from ready
-            return
+        """The unpaused waiting requests, next to admit first: the least served tenant's, and
+        within it by priority, its connections' usage, then arrival. Lazy: what was admitted
+        before (its service, counted as it is scheduled) orders what comes next."""
         queues: dict[str, dict[str, list[Request]]] = {}  # tenant -> connection -> requests
         for request in waiting:
             if not request.paused:

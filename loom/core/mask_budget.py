@@ -13,36 +13,31 @@ budget.
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Callable
 
-from loom.core.config import SchedulerConfig
 from loom.core.request import Request
 
 
 def within_mask_budget(
-    chosen: list[tuple[Request, int]], config: SchedulerConfig, counters: Mapping[str, float]
+    chosen: list[tuple[Request, int]], budget: float, first: Callable[[Request], float]
 ) -> list[tuple[Request, int]]:
     """The step's `chosen` rows (request, tokens), less the constrained ones that sample and
-    would take the step past `step_mask_budget`: those wait for a later step, holding what they were
-    given (their blocks; an admitted one stays admitted). Rows go in the policy's order (fair:
-    the least served tenant's first, by its fair-share `counters`; priority: the lowest number),
-    then the row longest out of a step first (Request.last_step: a row left out goes before
-    those that ran); the first always goes, whatever its cost, so a step with rows keeps one
-    and no request waits for ever."""
-
-    def order(r: Request) -> tuple[float, int]:
-        first = {"fair": counters.get(r.tenant, 0.0), "priority": r.tenancy.priority}
-        return (first.get(config.scheduling_policy, 0.0), r.last_step)
+    would take the step past `budget` seconds (`step_mask_budget`): those wait for a later step,
+    holding what they were given (their blocks; an admitted one stays admitted). Rows go in
+    the policy's order (`first`, its `mask_key`: fair, the least served tenant's first;
+    priority, the lowest number), then the row longest out of a step first (Request.last_step:
+    a row left out goes before those that ran); the first always goes, whatever its cost, so
+    a step with rows keeps one and no request waits for ever."""
 
     masked = [
         r for r, n in chosen if r.matcher is not None and r.num_computed_tokens + n == r.num_tokens
     ]
-    masked.sort(key=order)
+    masked.sort(key=lambda r: (first(r), r.last_step))
     spent, later = 0.0, set()
     for request in masked:
         assert request.matcher is not None
         cost = request.matcher.token_seconds
-        if spent and spent + cost > config.step_mask_budget:
+        if spent and spent + cost > budget:
             later.add(request)
         else:
             spent += cost

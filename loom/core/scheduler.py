@@ -15,8 +15,9 @@ tenant's, the lowest priority, the latest admitted. Waiting requests are admitte
 steps that preempted nothing; a preempted one resumes once blocks for all its tokens are free.
 Constrained rows past the step's mask budget wait a step (loom/core/mask_budget.py).
 
-The `scheduling_policy` orders admission: `fair` (default) shares slots and tokens by tenant
-weight (loom/core/fair_share.py); `priority`, by priority then arrival; `fcfs`, by arrival.
+The `scheduling_policy` (loom/core/policy.py) orders admission and picks the victims: `fair`
+(default) shares slots and tokens by tenant weight (loom/core/fair_share.py); `priority`, by
+priority then arrival; `fcfs`, by arrival.
 
 With prefix caching, a waiting request first takes the cached blocks that hold the longest run
 of its full blocks (whole blocks only, never its last token: a step must compute at least one
@@ -49,6 +50,7 @@ from loom.core.config import SchedulerConfig
 from loom.core.fair_share import FairShare
 from loom.core.mask_budget import within_mask_budget
 from loom.core.output_processor import OutputProcessor
+from loom.core.policy import Policy, policy_named, victim_of
 from loom.core.prefix_cache import cache_full_blocks, cached_prefix
 from loom.core.request import FINISH_REASONS, Request, RequestStatus
 from loom.core.request_output import FinishReason, RequestOutput
@@ -60,7 +62,8 @@ class Scheduler:
     config: SchedulerConfig
     block_manager: BlockManager
     outputs: OutputProcessor = attrs.field(factory=lambda: OutputProcessor(None))
-    fair: FairShare = attrs.field(factory=FairShare)
+    fair: FairShare = attrs.field(factory=FairShare)  # the service counted, whatever the policy
+    policy: Policy = attrs.field(init=False)
     requests: dict[str, Request] = attrs.field(factory=dict)  # unfinished: waiting or running
     waiting: deque[Request] = attrs.field(factory=deque)
     running: list[Request] = attrs.field(factory=list)
@@ -73,6 +76,9 @@ class Scheduler:
     prefix_cache_hits: int = 0  # of those, found in the prefix cache
     # Ended requests by finish reason, all time: in `finish`; by the engine, aborts before adding
     finished: Counter[FinishReason] = attrs.field(factory=Counter)
+
+    def __attrs_post_init__(self) -> None:
+        self.policy = policy_named(self.config.scheduling_policy, self.fair)
 
     def add_request(self, request: Request) -> None:
         self.requests[request.request_id] = request
@@ -98,9 +104,8 @@ class Scheduler:
     def schedule(self, now: float) -> SchedulerOutput | None:
         budget = self.config.max_num_batched_tokens
         chosen: list[tuple[Request, int]] = []
-        if self.config.scheduling_policy == "fair":
-            for victim in self.fair.rebalance(self.waiting, self.running, self.config.max_num_seqs):
-                self.preempt(victim)
+        for victim in self.policy.rebalance(self.waiting, self.running, self.config.max_num_seqs):
+            self.preempt(victim)
         num_preemptions = self.num_preemptions
         for request in list(self.running):
             if budget == 0 or len(chosen) == self.config.max_num_seqs:
@@ -113,7 +118,7 @@ class Scheduler:
                 budget -= num_new
         if self.num_preemptions == num_preemptions:
             self.admit_waiting(chosen, budget)
-        chosen = within_mask_budget(chosen, self.config, self.fair.counters)
+        chosen = within_mask_budget(chosen, self.config.step_mask_budget, self.policy.mask_key)
         if not chosen:
             return None
         self.num_steps += 1
@@ -139,15 +144,7 @@ class Scheduler:
         return True
 
     def pick_victim(self, exclude: list[Request]) -> Request:
-        candidates = [r for r in self.running if r not in exclude]
-        keys = {"fair": self.fair.victim_key, "priority": lambda r: r.tenancy.priority}
-        key = keys.get(self.config.scheduling_policy, lambda r: 0)
-        return self.longest_paused(candidates) or max(reversed(candidates), key=key)
-
-    @staticmethod
-    def longest_paused(requests: list[Request]) -> Request | None:
-        paused = [r for r in requests if r.paused_since is not None]
-        return min(paused, key=lambda r: r.paused_since or 0.0, default=None)
+        return victim_of([r for r in self.running if r not in exclude], self.policy)
 
     def preempt(self, request: Request) -> None:
         self.block_manager.free(request.request_id)
@@ -162,7 +159,7 @@ class Scheduler:
         bm = self.block_manager
         num_active = self.num_active()  # counted once: this loop may see thousands waiting
         # Ordered on the first `next`: once there is room.
-        order = self.fair.admission_order(self.waiting, self.running, self.config.scheduling_policy)
+        order = self.policy.admission_order(self.waiting, self.running)
         while budget > 0 and num_active < self.config.max_num_seqs:
             if (request := next(order, None)) is None:
                 return
@@ -200,9 +197,8 @@ class Scheduler:
         freeable = self.freeable(paused, cached)
         if bm.num_blocks_needed(request_id, num_tokens, cached) > bm.num_free_blocks + freeable:
             return False
-        while bm.num_blocks_needed(request_id, num_tokens, cached) > bm.num_free_blocks and (
-            victim := self.longest_paused(paused)
-        ):
+        while paused and bm.num_blocks_needed(request_id, num_tokens, cached) > bm.num_free_blocks:
+            victim = victim_of(paused, self.policy)  # all paused: the longest paused
             paused.remove(victim)
             self.preempt(victim)
         return bm.num_blocks_needed(request_id, num_tokens, cached) <= bm.num_free_blocks

@@ -67,6 +67,9 @@ class Admission:
         prompts: PromptChecker,
         scheduler: Scheduler,
         grammars: Grammars,
+        *,
+        refused: Callable[[Exception, str], None],
+        push_out: Callable[[Request, str], None],
     ) -> None:
         self.config = config
         self.prompts = prompts
@@ -86,13 +89,20 @@ class Admission:
         # truncation transformers resets around each call, so two at once can collide.
         self.tokenizers = trio.CapacityLimiter(1)
         self.done = False  # the channel is closed and every submission in it handled
-        self.on_refused: Callable[[Exception, str], None] = lambda exc, tenant: None  # metrics
+        self.on_refused = refused  # a refusal counted: the exception, the tenant
         # A queued request whose place a tenant below its share takes (the engine ends it).
-        self.push_out: Callable[[Request, str], None] = lambda request, why: None
+        self.push_out = push_out
 
     @classmethod
     def for_model(
-        cls, config: EngineConfig, loaded: LoadedModel, runner: ModelRunner, scheduler: Scheduler
+        cls,
+        config: EngineConfig,
+        loaded: LoadedModel,
+        runner: ModelRunner,
+        scheduler: Scheduler,
+        *,
+        refused: Callable[[Exception, str], None],
+        push_out: Callable[[Request, str], None],
     ) -> Admission:
         # Never more tokens than the whole pool holds (block 0 is the null block).
         max_model_len = min(runner.max_model_len, (runner.num_blocks - 1) * runner.block_size)
@@ -106,7 +116,7 @@ class Admission:
         grammars = Grammars(
             loaded.tokenizer, runner.vocab_size, loaded.eos_token_ids, config.constraints
         )
-        return cls(config, prompts, scheduler, grammars)
+        return cls(config, prompts, scheduler, grammars, refused=refused, push_out=push_out)
 
     def submit(
         self,
@@ -154,7 +164,7 @@ class Admission:
         limit = self.config.max_waiting_requests
         if self.num_unhandled + 1 >= 2 * limit:  # the channel's capacity (see __init__)
             raise queue_full(self.num_unhandled, limit, "requests being admitted")
-        if self.config.scheduler.scheduling_policy != "fair":
+        if not self.scheduler.policy.shares_queue:
             num_queued = self.scheduler.num_waiting() + self.num_unhandled
             if num_queued >= limit:
                 raise queue_full(num_queued, limit)
@@ -167,7 +177,7 @@ class Admission:
         """As the request is handed to the scheduler: if the queue is full, take the place of
         another tenant's queued request (it ends REFUSED), or refuse this one."""
         limit = self.config.max_waiting_requests
-        if self.config.scheduler.scheduling_policy != "fair":
+        if not self.scheduler.policy.shares_queue:
             return
         if self.pending.get(submission.request_id) is not submission:
             return  # aborted while it was tokenised: it takes no place

@@ -24,6 +24,7 @@ from loom.core.tenancy import SHARED, Tenancy
 from loom.engine.config import EngineConfig
 from loom.engine.engine_core import EngineCore
 from loom.engine.metrics import EngineMetrics
+from loom.engine.observer import Observer
 from loom.engine.request_stream import RequestStream
 from loom.engine.stats import EngineStats, ModelInfo
 from loom.model.device import release_freed_memory
@@ -59,6 +60,7 @@ class Engine:
         self.stop_reason = EngineState.STOPPED.value  # set by `stop`: a crash says what it was
         self.core: EngineCore | None = None  # once the model has loaded
         self.metrics = EngineMetrics()
+        self.observer = Observer(self.metrics)  # every event counted, by the engine's core
 
     @property
     def loaded(self) -> bool:
@@ -67,7 +69,7 @@ class Engine:
     @property
     def published_stats(self) -> EngineStats | None:
         """The stats a scrape reads, from any thread (published as the engine steps)."""
-        return self.core.published_stats if self.core is not None else None
+        return self.observer.published
 
     async def run(self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
         """Load the model, allocate the KV pool, then serve until drained, cancelled or crashed."""
@@ -75,7 +77,7 @@ class Engine:
         try:
             loaded = await trio.to_thread.run_sync(self.load)
             runner = await trio.to_thread.run_sync(self.make_runner, loaded, self.config.cache)
-            self.core = core = EngineCore(self.config, loaded, runner, self.metrics)
+            self.core = core = EngineCore(self.config, loaded, runner, self.observer)
             self.metrics.opened(loaded.name, lambda: self.published_stats)  # read by scrapes
             del loaded  # the transformers model: the runner keeps what it computes with
             await trio.to_thread.run_sync(release_freed_memory)  # not on the event loop
@@ -124,10 +126,7 @@ class Engine:
                 resume=self.resume,
             )
         except (EngineDeadError, InvalidRequestError, EngineOverloadedError) as exc:
-            if self.core is None:
-                self.metrics.refused(exc)
-            else:
-                self.core.refused(exc, tenancy.tenant)
+            self.observer.refused(exc, tenancy.tenant)
             raise
 
     @asynccontextmanager

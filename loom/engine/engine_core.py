@@ -18,8 +18,8 @@ admitted requests; and the loop that steps them.
 
 The stepping loop owns all request state between steps. Aborts and resumes from consumers run
 in the trio thread and take effect at once; a request finished while its step runs keeps its
-finish. Steps, tokens and ended requests are counted in `EngineMetrics`, each ended request
-logs a line, and the stats a scrape reads are published here (`publish_stats`).
+finish. Every event counted (steps, tokens, refusals, ended requests) goes to one observer
+(loom/engine/observer.py), which also publishes the stats a scrape reads.
 """
 
 from __future__ import annotations
@@ -30,7 +30,7 @@ from collections import Counter
 import trio
 
 from loom.core.block_manager import BlockManager
-from loom.core.errors import EngineDeadError, EngineOverloadedError
+from loom.core.errors import EngineDeadError
 from loom.core.expiry import expired, next_timer
 from loom.core.fair_share import service
 from loom.core.output_processor import OutputProcessor
@@ -40,15 +40,14 @@ from loom.core.scheduler import Scheduler
 from loom.core.step import SchedulerOutput
 from loom.engine.admission import Admission, Submission
 from loom.engine.config import EngineConfig
-from loom.engine.metrics import EngineMetrics, log_request
+from loom.engine.observer import Observer
 from loom.engine.request_stream import RequestStream
-from loom.engine.stats import EngineStats, TenantLedger, TenantStats
+from loom.engine.stats import EngineStats
 from loom.model.grammar import GrammarMatcher
 from loom.model.loader import LoadedModel
 from loom.model.model_runner import ModelRunner
 
 STATS_EVERY = 0.1  # seconds between the stats published for scrapes while stepping
-TENANT_STATS_EVERY = 1.0  # and between their per-tenant figures (a pass over every tenant)
 
 
 class EngineCore:
@@ -57,11 +56,11 @@ class EngineCore:
         config: EngineConfig,
         loaded: LoadedModel,
         runner: ModelRunner,
-        metrics: EngineMetrics,
+        observer: Observer,
     ) -> None:
         self.config = config
         self.runner = runner
-        self.metrics = metrics
+        self.observer = observer
         self.model_name = loaded.name
         blocks = BlockManager(
             runner.num_blocks,
@@ -70,19 +69,12 @@ class EngineCore:
             sliding_window=runner.kv_window,
         )
         self.scheduler = Scheduler(config.scheduler, blocks, OutputProcessor(loaded.tokenizer))
-        self.admission = Admission.for_model(config, loaded, runner, self.scheduler)
-        self.ledger = TenantLedger()
-        self.admission.on_refused = self.refused
-        self.admission.push_out = self.push_out
+        self.admission = Admission.for_model(
+            config, loaded, runner, self.scheduler, refused=observer.refused, push_out=self.push_out
+        )
         self.streams: dict[str, RequestStream] = {}  # admitted, unfinished requests
         self.wakeup = trio.Event()
         self.limiter = trio.CapacityLimiter(1)
-        # The stats a scrape reads, from another thread (loom/server/metrics.py).
-        self.published_stats: EngineStats | None = None
-        self.published_at = float("-inf")
-        self.published_shape = (0, 0, 0)
-        self.published_tenants: dict[str, TenantStats] = {}
-        self.tenants_at = float("-inf")
 
     async def run(self) -> None:
         async with trio.open_nursery() as nursery:
@@ -94,7 +86,7 @@ class EngineCore:
         self.wakeup.set()  # done: the stepping loop may end
 
     def admit(self, submission: Submission, request: Request) -> None:
-        self.ledger.admitted(request.tenant, request.num_prompt_tokens, request.tenancy.weight)
+        self.observer.admitted(request)
         self.streams[request.request_id] = submission.stream
         self.scheduler.add_request(request)
         self.wakeup.set()
@@ -132,7 +124,7 @@ class EngineCore:
             abandon_on_cancel=False,
         )
         took = time.perf_counter() - start
-        self.metrics.stepped(len(output.sequences), took)
+        self.observer.stepped(len(output.sequences), took)
         # Each constrained row's tenant pays for what its token cost the grammar (its mask,
         # and its consume in `update`: Matcher.step_seconds) as for the service the step gave
         # in as much time: a step that served `units` (loom/core/fair_share.py) in `took`
@@ -146,7 +138,7 @@ class EngineCore:
         for request, out in self.scheduler.update(output, result, now, units / max(took, 1e-9)):
             self.publish(request, out, now)
         if matchers:  # the step's grammar time, all rows together
-            self.metrics.masked(sum(m.step_seconds for m in matchers))
+            self.observer.masked(sum(m.step_seconds for m in matchers))
 
     def constrained(self, output: SchedulerOutput) -> list[GrammarMatcher]:
         """The matchers of the step's constrained sampling rows, in the sampler's order (none
@@ -164,8 +156,7 @@ class EngineCore:
     def publish(self, request: Request, output: RequestOutput, now: float) -> None:
         """A request's new token: pushed to its stream (pausing the request when the stream is
         full), or, the request finished, its stream ended."""
-        self.metrics.token(request, now)
-        self.ledger.generated(request.tenant)
+        self.observer.token(request, now)
         if output.finished:
             self.end_stream(request, output, now)
         elif self.streams[request.request_id].push(output):
@@ -184,25 +175,18 @@ class EngineCore:
 
     def push_out(self, request: Request, why: str) -> None:
         """A queued request's place taken by a tenant below its share (loom/engine/admission.py)."""
-        self.ledger.refusal(request.tenant)
+        self.observer.pushed(request)
         self.finish(request, RequestStatus.FINISHED_REFUSED, error=why)
 
-    def refused(self, exc: Exception, tenant: str) -> None:
-        self.metrics.refused(exc)
-        if isinstance(exc, EngineOverloadedError):
-            self.ledger.refusal(tenant)
-
     def end_stream(self, request: Request, final: RequestOutput, now: float) -> None:
-        self.metrics.ended(request, now)
-        self.ledger.ended(request.tenant, request.num_cached_tokens)
-        log_request(request, final)
+        self.observer.ended(request, final, now)
         self.streams.pop(request.request_id).push(final)
 
     def abort(self, request_id: str) -> None:
         """Finish a request as ABORTED and free its blocks. Safe for unknown or finished ids."""
         if self.admission.abort(request_id):  # not admitted yet: the admission task drops it
             self.scheduler.finished[FinishReason.ABORTED] += 1
-            self.metrics.cancelled()
+            self.observer.cancelled()
             return
         request = self.scheduler.requests.get(request_id)
         if request is not None:
@@ -216,25 +200,14 @@ class EngineCore:
 
     def stats(self, tenant: str | None = None) -> EngineStats:
         """The figures; by tenant, every tenant's or (`tenant`) that one's alone."""
-        pending = Counter(s.tenancy.tenant for s in self.admission.pending.values())
-        tenants = self.ledger.of(self.scheduler, pending, tenant)
-        return EngineStats.of(self.scheduler, pending, tenants)
+        return self.observer.stats(self.scheduler, self.pending(), tenant)
 
     def publish_stats(self, every: float = 0.0) -> None:
-        """Publish the stats for scrapes: now, or, with `every`, once that long has passed or
-        requests have come or gone (counted in O(1): a step can last long). The per-tenant
-        figures cost a pass over every tenant: while stepping (`every`), they are taken again
-        at most once a TENANT_STATS_EVERY."""
-        now = time.monotonic()
-        scheduler = self.scheduler
-        shape = (len(scheduler.running), len(scheduler.waiting), len(scheduler.requests))
-        if now - self.published_at >= every or shape != self.published_shape:
-            pending = Counter(s.tenancy.tenant for s in self.admission.pending.values())
-            if not every or now - self.tenants_at >= TENANT_STATS_EVERY:
-                self.published_tenants = self.ledger.of(scheduler, pending, None)
-                self.tenants_at = now
-            self.published_stats = EngineStats.of(scheduler, pending, self.published_tenants)
-            self.published_at, self.published_shape = now, shape
+        self.observer.publish(self.scheduler, self.pending(), every)
+
+    def pending(self) -> Counter[str]:
+        """Requests submitted and not yet admitted, by tenant."""
+        return Counter(s.tenancy.tenant for s in self.admission.pending.values())
 
     def stop(self, reason: str) -> None:
         """End every live request with an error; take no new ones."""
