@@ -45,7 +45,7 @@ Live = dict[tuple[str, str], set[RequestStream]]  # by (tenant, request_id label
 
 
 @attrs.frozen(kw_only=True)
-class Submission:
+class EngineRequest:
     """One engine request a client's request makes."""
 
     prompt: Prompt
@@ -87,7 +87,7 @@ class Relay:
         self.streams: list[RequestStream] = []
 
     async def run(
-        self, request_id: str, submissions: Sequence[Submission], time_left: float | None
+        self, request_id: str, submissions: Sequence[EngineRequest], time_left: float | None
     ) -> None:
         """Submit every choice (`time_left`: seconds to the client's deadline), relay
         their outputs, end them all. `request_id` is the client's label: the engine keys by
@@ -118,12 +118,12 @@ class Relay:
             if not streams:
                 del self.live[key]
 
-    async def submit(self, submission: Submission, time_left: float | None) -> RequestStream:
+    async def submit(self, submission: EngineRequest, time_left: float | None) -> RequestStream:
         return await self.bridge.call(
             self.submit_until, submission, time_left, orphan=RequestStream.abort
         )
 
-    def submit_until(self, submission: Submission, time_left: float | None) -> RequestStream:
+    def submit_until(self, submission: EngineRequest, time_left: float | None) -> RequestStream:
         """In the trio thread: submit, the client's deadline becoming the request's."""
         deadline = None if time_left is None else trio.current_time() + time_left
         return self.engine.submit(

@@ -20,7 +20,7 @@ from loom.server.bridge import TrioBridge
 from loom.server.grpc import wire
 from loom.server.grpc.call import Call
 from loom.server.grpc.status import ABNORMAL_STATUS, status_errors
-from loom.server.relay import Live, Relay, Submission
+from loom.server.relay import EngineRequest, Live, Relay
 from loom.v1 import loom_pb2 as pb
 from loom.v1.loom_grpc import LoomBase
 
@@ -73,7 +73,7 @@ class LoomServicer(LoomBase):
         with status_errors():
             request_id = wire.request_id_from(request)
             tenant = call.tenant
-            submission = Submission(
+            submission = EngineRequest(
                 prompt=wire.prompt_from(request),
                 sampling=wire.sampling_from(request.sampling),
                 cache_salt=request.cache_salt,

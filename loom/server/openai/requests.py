@@ -28,7 +28,7 @@ from loom.server.boundary import MAX_CHAT_MESSAGES
 from loom.server.openai.errors import invalid
 from loom.server.openai.structured import constraint_of
 from loom.server.openai.tools import ToolUse, system_message, tool_turn, tool_use_of
-from loom.server.relay import Submission
+from loom.server.relay import EngineRequest
 
 # A constraint of the client's is not composed with the tools' format: with `auto` it would
 # decide what the model may write inside a call (a grammar forcing `<tool_call>` and blanks
@@ -65,12 +65,12 @@ class Ask:
     token_ids: bool = False  # vLLM's return_token_ids: each choice's token ids beside its text
     tools: ToolUse | None = None  # chat's tools and tool_choice (loom/server/openai/tools.py)
 
-    def submissions(self, tenancy: Tenancy) -> list[Submission]:
+    def submissions(self, tenancy: Tenancy) -> list[EngineRequest]:
         """The engine requests, choice `index` = prompt number * n + i. With a seed, choice i
         of a prompt samples with seed + i: n different sequences, each reproducible."""
         seed = self.sampling.seed
         return [
-            Submission(
+            EngineRequest(
                 prompt=prompt,
                 sampling=self.sampling
                 if seed is None or i == 0
