@@ -21,13 +21,12 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import ssl
 import sys
 
 from grpclib import GRPCError
 from grpclib.client import Channel
 
-from loom.server.tls import client_context
+from loom.client.tls import add_tls_arguments, tls_of
 from loom.v1 import loom_pb2 as pb
 from loom.v1.loom_grpc import LoomStub
 
@@ -49,13 +48,6 @@ def request_from(args: argparse.Namespace) -> pb.GenerateRequest:
     if args.system:
         messages.insert(0, pb.ChatMessage(role="system", content=args.system))
     return pb.GenerateRequest(messages=pb.ChatMessages(messages=messages), sampling=sampling)
-
-
-def tls_of(args: argparse.Namespace) -> ssl.SSLContext | None:
-    """TLS 1.2 or later with ALPN h2, as gRPC requires; None for plaintext."""
-    if args.tls_ca_file is None and args.tls_cert_file is None:
-        return None
-    return client_context(args.tls_ca_file, args.tls_cert_file, args.tls_key_file)
 
 
 async def main(args: argparse.Namespace) -> int:
@@ -102,7 +94,5 @@ if __name__ == "__main__":
     parser.add_argument("--seed", type=int, default=None)
     parser.add_argument("--stop", action="append", default=[], help="a stop string (repeatable)")
     parser.add_argument("--timeout", type=float, default=None, help="the call's deadline, seconds")
-    parser.add_argument("--tls-ca-file", default=None, help="TLS: the CAs to check the server by")
-    parser.add_argument("--tls-cert-file", default=None, help="mutual TLS: this client's cert")
-    parser.add_argument("--tls-key-file", default=None, help="mutual TLS: its private key")
+    add_tls_arguments(parser)
     sys.exit(asyncio.run(main(parser.parse_args())))

@@ -25,12 +25,12 @@ from loom.bench import command as bench_command
 from loom.bench import quality as bench_quality
 from loom.bench import step as bench_step
 from loom.chaos import command as chaos_command
+from loom.client import health
 from loom.engine.config import EngineConfig
 from loom.engine.engine import Engine
 from loom.model.family import UnsupportedModelError
 from loom.model.loader import ModelConfig
 from loom.model.sim import SimRunner, is_sim, load_sim
-from loom.server import health_probe
 from loom.server.config import ServerConfig
 from loom.server.metrics import JsonFormatter
 from loom.server.supervisor import Supervisor
@@ -53,7 +53,7 @@ def parser() -> argparse.ArgumentParser:
     bench_step.add_parser(commands)
     bench_quality.add_parser(commands)
     chaos_command.add_parser(commands)
-    health_probe.add_parser(commands)
+    health.add_parser(commands)
     root.formatter_class = argparse.RawDescriptionHelpFormatter
     root.epilog = serve.format_help()  # so that `loom --help` lists every flag too
     return root
@@ -160,7 +160,7 @@ def main(argv: Sequence[str] | None = None) -> None:
             "bench": bench_command.run,
             "bench-step": bench_step.run,
             "bench-quality": bench_quality.run,
-            "health": health_probe.run,
+            "health": health.run,
             "chaos": chaos_command.run,
         }
         sys.exit(commands[args.command](args))

@@ -17,11 +17,11 @@ from collections.abc import Sequence
 def main(argv: Sequence[str] | None = None) -> None:
     arguments = list(sys.argv[1:] if argv is None else argv)
     if arguments[:1] == ["health"]:
-        from loom.server import health_probe
+        from loom.client import health
 
         parser = argparse.ArgumentParser(prog="loom")
-        health_probe.add_parser(parser.add_subparsers(dest="command", required=True))
-        sys.exit(health_probe.run(parser.parse_args(arguments)))
+        health.add_parser(parser.add_subparsers(dest="command", required=True))
+        sys.exit(health.run(parser.parse_args(arguments)))
     from loom import cli
 
     cli.main(arguments)

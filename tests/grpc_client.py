@@ -11,18 +11,13 @@ from collections.abc import Awaitable, Callable
 from typing import Any, TypeVar
 
 import trio
-from grpclib.client import Channel
-from grpclib.config import Configuration
-from grpclib.health.v1.health_grpc import HealthStub
-from grpclib.health.v1.health_pb2 import HealthCheckRequest, HealthCheckResponse
+from grpclib.health.v1.health_pb2 import HealthCheckResponse
 
+from loom.client import calls
 from loom.v1 import loom_pb2 as pb
-from loom.v1.loom_grpc import LoomStub
 
 T = TypeVar("T")
 HOST = "127.0.0.1"
-# The smallest HTTP/2 windows, so that a client that stops reading blocks the server quickly.
-SMALL_WINDOWS = Configuration(http2_connection_window_size=65535, http2_stream_window_size=65535)
 
 
 async def in_asyncio(fn: Callable[..., Awaitable[T]], *args: Any, **kwargs: Any) -> T:
@@ -64,24 +59,20 @@ async def transports_flushed() -> None:
 async def generate(
     port: int, request: pb.GenerateRequest, grpc_timeout: float | None = None
 ) -> list[pb.GenerateResponse]:
-    async with Channel(HOST, port) as channel:
-        return list(await LoomStub(channel).Generate(request, timeout=grpc_timeout))
+    return await calls.generate(HOST, port, request, grpc_timeout=grpc_timeout)
 
 
 async def server_stats(port: int) -> pb.ServerStats:
-    async with Channel(HOST, port) as channel:
-        return await LoomStub(channel).GetServerStats(pb.GetServerStatsRequest())
+    return await calls.server_stats(HOST, port)
 
 
 async def model_info(port: int) -> pb.ModelInfo:
-    async with Channel(HOST, port) as channel:
-        return await LoomStub(channel).GetModelInfo(pb.GetModelInfoRequest())
+    return await calls.model_info(HOST, port)
 
 
 async def health(port: int, service: str = "") -> int:
-    async with Channel(HOST, port) as channel:
-        response = await HealthStub(channel).Check(HealthCheckRequest(service=service), timeout=5)
-        return int(response.status)
+    status = await calls.health(HOST, port, service=service, grpc_timeout=5)
+    return int(HealthCheckResponse.ServingStatus.Value(status))
 
 
 SERVING = int(HealthCheckResponse.SERVING)

@@ -35,16 +35,5 @@ async def post(
     return await trio.to_thread.run_sync(post_sync, port, path, body, headers, method)
 
 
-def events(body: bytes) -> list[Any]:
-    """An SSE body's events: each `data: {json}` parsed, `[DONE]` as the string."""
-    assert body.endswith(b"\n\n"), body[-40:]
-    parsed = []
-    for raw in body.split(b"\n\n")[:-1]:
-        assert raw.startswith(b"data: "), raw
-        data = raw.removeprefix(b"data: ")
-        parsed.append("[DONE]" if data == b"[DONE]" else json.loads(data))
-    return parsed
-
-
 def openai_client(port: int, api_key: str = "none") -> OpenAI:
     return OpenAI(base_url=f"http://{HOST}:{port}/v1", api_key=api_key, max_retries=0, timeout=60)

@@ -1,4 +1,6 @@
-"""The package's layers, held by its imports: core < model < engine < server < bench and CLI.
+"""The package's layers, held by its imports: core < model < engine < server < bench and CLI;
+the clients (`loom.client`) stand beside the server, apart from it and from the engine, on the
+generated `loom.v1` alone.
 
 Each module may import only modules of its own layer or of the layers below; `loom.core`
 imports neither torch nor trio (nor anything that does), and each layer keeps out the libraries
@@ -25,12 +27,14 @@ LAYERS = {
     "engine": 2,
     "server": 3,
     "v1": 3,
+    "client": 3,
     "bench": 4,
     "chaos": 4,
     "cli": 4,
     "entry_point": 4,
 }
 FRONTS = ("loom.server.grpc", "loom.server.openai")
+APART = {"client": {"core", "model", "engine", "server"}, "server": {"client"}}  # and the reverse
 ASSEMBLY = {
     "loom.server.io_thread",
     "loom.server.config",
@@ -97,6 +101,8 @@ def test_layers_a_module_imports_no_higher_layer(path: Path) -> None:
         if name.startswith("loom.") and (layer := layer_of(name)) and LAYERS[layer] > LAYERS[own]
     ]
     assert higher == [], f"{dotted_name(path)} ({own}) imports a higher layer: {higher}"
+    apart = [name for name in imports_of(path) if layer_of(name) in APART.get(own, set())]
+    assert apart == [], f"{dotted_name(path)} ({own}) imports {apart}"
     banned = FORBIDDEN.get(own, set())
     third_party = [name for name in imports_of(path) if name.split(".")[0] in banned]
     assert third_party == [], f"{dotted_name(path)} ({own}) imports {third_party}"

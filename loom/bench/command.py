@@ -19,11 +19,11 @@ from loom.bench.measure import Target, measure, measure_caching_off, report
 from loom.bench.metrics import Objectives
 from loom.bench.serving import launched_process
 from loom.bench.tenants import ratio_of, report_tenants, run_tenants
+from loom.client.tls import add_tls_arguments
 from loom.core.setting import at_least
 from loom.model.linear import METHODS
 from loom.model.loader import LoadedModel, load_model
 from loom.model.sim import is_sim, load_sim
-from loom.server.health_probe import add_tls_arguments
 
 
 def add_parser(commands: Any) -> argparse.ArgumentParser:

@@ -27,8 +27,8 @@ import aiohttp
 import attrs
 from grpclib.client import Channel
 
-from loom.bench.client import Client
 from loom.bench.metrics import RequestTiming
+from loom.client.channel import Client
 from loom.v1 import loom_pb2 as pb
 from loom.v1.loom_grpc import LoomStub
 

@@ -11,7 +11,6 @@ from typing import Any
 import attrs
 
 from loom.bench.baseline import run_baseline
-from loom.bench.client import Client
 from loom.bench.fronts import Constraining, Front, GrpcFront, OpenAIFront, ProcessCpu
 from loom.bench.llama_cpp import drive_llama_server
 from loom.bench.metrics import Objectives, summarize, table
@@ -24,6 +23,7 @@ from loom.bench.serving import (
     make_shared_prefix_workload,
     make_workload,
 )
+from loom.client.channel import Client
 from loom.model.loader import LoadedModel
 
 # The warm-up's prompts: none of a measured run's (whose seeds are --seed + concurrency; Python

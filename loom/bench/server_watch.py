@@ -4,16 +4,9 @@ from __future__ import annotations
 
 import asyncio
 
-from loom.bench.client import PLAIN, Client
+from loom.client.calls import server_stats
+from loom.client.channel import Client
 from loom.v1 import loom_pb2 as pb
-from loom.v1.loom_grpc import LoomStub
-
-
-async def server_stats(host: str, port: int, client: Client = PLAIN) -> pb.ServerStats:
-    async with client.channel(host, port) as channel:
-        stub = LoomStub(channel)
-        request = pb.GetServerStatsRequest()
-        return await stub.GetServerStats(request, timeout=10)
 
 
 class ServerWatch:

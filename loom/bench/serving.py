@@ -29,10 +29,10 @@ from typing import Any
 import attrs
 from tqdm import tqdm
 
-from loom.bench.client import PLAIN, Client
 from loom.bench.fronts import Front, GrpcFront
 from loom.bench.metrics import RequestTiming
 from loom.bench.server_watch import ServerWatch
+from loom.client.channel import PLAIN, Client
 
 WORDS = (
     "time year people way day man thing woman life child world school state family student "

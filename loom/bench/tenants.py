@@ -14,9 +14,9 @@ import argparse
 import asyncio
 from typing import Any
 
-from loom.bench.client import Client
 from loom.bench.metrics import Objectives, summarize
 from loom.bench.serving import drive, launched_process, make_workload
+from loom.client.channel import Client
 from loom.model.loader import LoadedModel
 
 HOST = "127.0.0.1"

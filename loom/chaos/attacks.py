@@ -26,27 +26,23 @@ from collections.abc import Iterator
 import attrs
 import h2.connection
 import h2.events
-from hpack import Encoder, NeverIndexedHeaderTuple
 
-PREFACE = b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n"
-DATA, HEADERS, RST_STREAM, SETTINGS, PING, GOAWAY, CONTINUATION = 0, 1, 3, 4, 6, 7, 9
-END_STREAM, END_HEADERS = 0x1, 0x4
-CANCEL = 0x8
-GENERATE = "/loom.v1.Loom/Generate"
-ERROR_CODES = {0: "NO_ERROR", 1: "PROTOCOL_ERROR", 2: "INTERNAL_ERROR", 11: "ENHANCE_YOUR_CALM"}
-
-
-def frame(kind: int, flags: int, stream_id: int, payload: bytes = b"") -> bytes:
-    header = len(payload).to_bytes(3, "big") + bytes((kind, flags))
-    return header + (stream_id & 0x7FFF_FFFF).to_bytes(4, "big") + payload
-
-
-def request_block(authority: str, path: str = GENERATE) -> bytes:
-    """The HPACK header block of a gRPC call that stands alone (never indexed: it adds nothing
-    to the dynamic table), so that the same bytes can open any number of streams."""
-    headers = [(":method", "POST"), (":scheme", "http"), (":path", path)]
-    headers += [(":authority", authority), ("content-type", "application/grpc"), ("te", "trailers")]
-    return bytes(Encoder().encode([NeverIndexedHeaderTuple(k, v) for k, v in headers]))
+from loom.client.frames import (
+    CANCEL,
+    CONTINUATION,
+    END_HEADERS,
+    ERROR_CODES,
+    GENERATE,
+    GOAWAY,
+    HEADERS,
+    PING,
+    PREFACE,
+    RST_STREAM,
+    SETTINGS,
+    connect,
+    frame,
+    request_block,
+)
 
 
 @attrs.define
@@ -99,15 +95,6 @@ class Listener(threading.Thread):
                 self.cut_off.seconds = time.monotonic() - self.start_time
             buffer = buffer[9 + length :]
         return buffer
-
-
-def connect(host: str, port: int, source: str | None = None, timeout: float = 10) -> socket.socket:
-    sock = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET, socket.SOCK_STREAM)
-    sock.settimeout(timeout)
-    if source is not None:
-        sock.bind((source, 0))
-    sock.connect((host, port))
-    return sock
 
 
 def flood(

@@ -16,7 +16,6 @@ import socket
 import struct
 import subprocess
 import sys
-import time
 from collections.abc import Callable
 from typing import Any
 
@@ -24,21 +23,17 @@ import attrs
 from grpclib import GRPCError
 from grpclib.client import Channel
 from grpclib.config import Configuration
-from grpclib.health.v1.health_grpc import HealthStub
-from grpclib.health.v1.health_pb2 import HealthCheckRequest, HealthCheckResponse
 
-from loom.bench.client import PLAIN, Client
-from loom.bench.server_watch import server_stats
+from loom.client import calls
+from loom.client.channel import PLAIN, SMALL_WINDOWS, Client
 from loom.v1 import loom_pb2 as pb
 from loom.v1.loom_grpc import LoomStub
 
-# The smallest HTTP/2 windows: a client that stops reading holds back the server at once.
-SMALL_WINDOWS = Configuration(http2_connection_window_size=65535, http2_stream_window_size=65535)
 LEAVES = ("cancel", "drop", "reset", "stop")
 KILLED_CLIENT = """
 import asyncio, sys
 from grpclib.client import Channel
-from loom.server.tls import client_context
+from loom.client.tls import client_context
 from loom.v1 import loom_pb2 as pb
 from loom.v1.loom_grpc import LoomStub
 
@@ -95,6 +90,13 @@ class Target:
 
     def channel(self, config: Configuration | None = None) -> Channel:
         return self.client.channel(self.host, self.port, config=config)
+
+    async def stats_until(self, done: Callable[[Any], object], seconds: float) -> Any:
+        """Its stats, polled until `done(stats)` (at most `seconds`)."""
+        return await calls.stats_until(self.host, self.port, done, seconds, self.client)
+
+    async def health(self) -> str:
+        return await calls.health(self.host, self.port, self.client)
 
 
 @attrs.frozen(kw_only=True)
@@ -196,25 +198,3 @@ async def kill_clients(target: Target, count: int, max_tokens: int) -> int:
     for process in processes:
         await process.wait()
     return sum(process.returncode == -signal.SIGKILL for process in processes)
-
-
-async def stats_until(target: Target, done: Callable[[Any], object], seconds: float) -> Any:
-    """Poll GetServerStats until `done(stats)`, at most `seconds`: the last stats."""
-    deadline = time.monotonic() + seconds
-    while True:
-        stats = await server_stats(target.host, target.port, target.client)
-        if done(stats) or time.monotonic() >= deadline:
-            break
-        await asyncio.sleep(0.01)
-    return stats
-
-
-async def health(target: Target) -> str:
-    async with target.channel() as channel:
-        response = await HealthStub(channel).Check(HealthCheckRequest(), timeout=10)
-        return str(HealthCheckResponse.ServingStatus.Name(response.status))
-
-
-async def model_info(host: str, port: int, client: Client) -> Any:
-    async with client.channel(host, port) as channel:
-        return await LoomStub(channel).GetModelInfo(pb.GetModelInfoRequest(), timeout=10)

@@ -26,15 +26,16 @@ from typing import Any
 import attrs
 from tqdm import tqdm
 
-from loom.bench.client import Client
 from loom.bench.serving import launched_process
 from loom.chaos import hostile
 from loom.chaos import scenarios as sc
-from loom.chaos.clients import Target, model_info
+from loom.chaos.clients import Target
 from loom.chaos.invariants import Limits, check, probe_tokens
 from loom.chaos.overload import overload
+from loom.client.calls import model_info
+from loom.client.channel import Client
+from loom.client.tls import add_tls_arguments, tls_of
 from loom.core.setting import above, at_least
-from loom.server.health_probe import add_tls_arguments, tls_of
 
 Scenario = Callable[[sc.Run], Awaitable[sc.Result]]
 SCENARIOS: dict[str, Scenario] = {

@@ -20,6 +20,7 @@ import struct
 from typing import Any
 
 from loom.chaos.clients import Behaviour, Target
+from loom.client.sse import DONE, SseReader
 
 STATUSES = {
     400: "INVALID_ARGUMENT",
@@ -104,17 +105,14 @@ async def read_stream(
     status = int(head.split(" ", 2)[1])
     if status != 200:
         return STATUSES.get(status, f"HTTP {status}")
-    received, stopped, pending = 0, False, b""
+    received, stopped, events = 0, False, SseReader()
     while True:
         size = int((await reader.readuntil(b"\r\n")).strip(), 16)
         if size == 0:
             return "closed by the server"  # the body ended without [DONE]
-        pending += (await reader.readexactly(size + 2))[:-2]
-        *events, pending = pending.split(b"\n\n")
-        for data in events:
-            if data == b"data: [DONE]":
+        for chunk in events.feed((await reader.readexactly(size + 2))[:-2]):
+            if chunk == DONE:
                 return "ok"
-            chunk = json.loads(data.removeprefix(b"data: "))
             if "error" in chunk:
                 return CODES.get(chunk["error"].get("code"), "error event")
             received += 1

@@ -15,7 +15,7 @@ from typing import Any
 import attrs
 
 from loom.bench.fronts import one_request
-from loom.chaos.clients import Target, health, stats_until
+from loom.chaos.clients import Target
 from loom.chaos.scenarios import PROBE, PROBE_TOKENS
 
 
@@ -37,7 +37,7 @@ async def probe_tokens(target: Target, seconds: float) -> list[int]:
 
 async def check(target: Target, expected: list[int], limits: Limits) -> list[str]:
     problems = []
-    stats = await stats_until(target, is_idle, limits.settle_timeout)
+    stats = await target.stats_until(is_idle, limits.settle_timeout)
     if not is_idle(stats):
         held = stats.num_total_blocks - stats.num_free_blocks
         problems.append(
@@ -45,7 +45,7 @@ async def check(target: Target, expected: list[int], limits: Limits) -> list[str
             f"{stats.num_waiting} waiting, {stats.num_paused} paused, "
             f"{held} of {stats.num_total_blocks} blocks held"
         )
-    if (status := await health(target)) != "SERVING":
+    if (status := await target.health()) != "SERVING":
         problems.append(f"health says {status}, not SERVING")
     try:
         got = await probe_tokens(target, limits.probe_timeout)

@@ -22,9 +22,9 @@ import random
 from collections.abc import Callable
 from typing import Any
 
-from loom.bench.server_watch import server_stats
-from loom.chaos.clients import Behaviour, stats_until
+from loom.chaos.clients import Behaviour
 from loom.chaos.scenarios import Result, Run
+from loom.client.calls import server_stats
 
 PROMPT_LEN = 4
 MIN_FILL_TOKENS = 16
@@ -91,7 +91,7 @@ async def fill_slots(
     for start in range(0, len(fillers), chunk):
         calls = [(m, behaviour) for m in fillers[start : start + chunk]]
         tasks.append(asyncio.ensure_future(run.crowd(result, calls, at_once=True)))
-        await stats_until(run.target, all_running(start + len(calls)), 60)
+        await run.target.stats_until(all_running(start + len(calls)), 60)
     return tasks
 
 
@@ -114,7 +114,7 @@ async def accounted(run: Run, decided: Result, burst: int, before: Any) -> int |
         refused = decided.outcomes["RESOURCE_EXHAUSTED"]
         return bool(stats.num_waiting + refused + admitted(stats) >= burst)
 
-    stats = await stats_until(run.target, done, 60)
+    stats = await run.target.stats_until(done, 60)
     return admitted(stats) if done(stats) else None
 
 

@@ -28,7 +28,6 @@ from loom.chaos.clients import (
     Target,
     kill_clients,
     request,
-    stats_until,
     stream_once,
 )
 from loom.chaos.http_clients import http_stream_once
@@ -231,7 +230,7 @@ async def drain(run: Run) -> Result:
     assert run.server is not None
     calls = [(run.message(rng), Behaviour()) for _ in range(max(1, run.settings.clients // 4))]
     crowd = asyncio.ensure_future(run.crowd(result, calls))
-    await stats_until(run.target, lambda stats: stats.num_running, 60)
+    await run.target.stats_until(lambda stats: stats.num_running, 60)
     run.server.send_signal(signal.SIGTERM)
     await asyncio.sleep(0.2)
     late = await call(run.target, run.message(rng), Behaviour(timeout=10))

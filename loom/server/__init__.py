@@ -1,2 +1,3 @@
-"""The serving process: grpclib on its own asyncio thread, the bridge to the trio engine, the
-loom.v1 handlers and their wire conversions, drain and signals, and the health probe."""
+"""The serving process: the trio supervisor and the drain, one asyncio I/O thread for both
+fronts (`grpc/`, `openai/`) and the metrics port, what the fronts share (the traffic ledger,
+the caps, the limits, TLS, tenants), and the bridge and relay to the trio engine."""

@@ -1,6 +1,6 @@
-"""TLS for gRPC: a server's context (`--tls-cert-file`, `--tls-key-file`, and
-`--tls-client-ca-file` for mutual TLS) and a client's, both TLS 1.2 or later with ALPN h2, as
-gRPC requires. A bad file fails at start, as a ValueError naming the setting."""
+"""The server's TLS context (`--tls-cert-file`, `--tls-key-file`, and `--tls-client-ca-file`
+for mutual TLS): TLS 1.2 or later, ALPN h2 as gRPC requires (http/1.1 on the HTTP port). A bad
+file fails at start, as a ValueError naming the setting. A client's: loom/client/tls.py."""
 
 from __future__ import annotations
 
@@ -28,17 +28,4 @@ def server_context(
             context.load_verify_locations(config.tls_client_ca_file)
         except (OSError, ssl.SSLError) as exc:
             raise ValueError(f"tls_client_ca_file: {exc}") from None
-    return context
-
-
-def client_context(
-    ca_file: str | None, cert_file: str | None = None, key_file: str | None = None
-) -> ssl.SSLContext:
-    """A client's TLS context: the server's certificate checked against `ca_file` (else the
-    system's CAs), and a certificate of its own for mutual TLS."""
-    context = ssl.create_default_context(ssl.Purpose.SERVER_AUTH, cafile=ca_file)
-    context.minimum_version = ssl.TLSVersion.TLSv1_2
-    context.set_alpn_protocols(["h2"])
-    if cert_file is not None:
-        context.load_cert_chain(cert_file, key_file)
     return context

@@ -18,6 +18,7 @@ from h2.settings import SettingCodes
 from hyperframe.frame import DataFrame, Frame, GoAwayFrame, HeadersFrame, PingFrame
 
 from loom.bench.serving import launched_process
+from loom.client.frames import split_frames
 from loom.v1 import loom_pb2 as pb
 from tests.grpc_client import HOST, greedy, token_ids
 
@@ -109,19 +110,6 @@ def until_goaway_waits(sock: socket.socket) -> None:
             return
         time.sleep(0.01)
     raise AssertionError("no GOAWAY 10 s after SIGTERM")
-
-
-def split_frames(data: bytes) -> tuple[list[Frame], bytes]:
-    """The whole frames at the start of `data`, and the rest."""
-    complete: list[Frame] = []
-    while len(data) >= 9:
-        frame, length = Frame.parse_frame_header(memoryview(data[:9]))
-        if len(data) < 9 + length:
-            break
-        frame.parse_body(memoryview(data[9 : 9 + length]))
-        complete.append(frame)
-        data = data[9 + length :]
-    return complete, data
 
 
 def kinds(seen: list[Any]) -> list[str]:

@@ -26,9 +26,9 @@ import pytest
 from grpclib import GRPCError, Status
 from grpclib.client import Channel
 
-from loom.bench.server_watch import server_stats
 from loom.bench.serving import launched_process
 from loom.chaos.clients import KILLED_CLIENT
+from loom.client.calls import server_stats
 from loom.v1.loom_grpc import LoomStub
 from tests.grpc_client import HOST, greedy, run_client
 from tests.nginx_front import nginx_front, nginx_path

@@ -25,6 +25,7 @@ from hpack import Encoder
 
 from loom.bench.serving import launched_process
 from loom.chaos import attacks
+from loom.client import frames as raw
 from loom.server.listener import stop_handshakes
 from loom.v1.loom_grpc import LoomStub
 from tests.grpc_client import HOST, generate, greedy, run_client, token_ids
@@ -291,7 +292,7 @@ def test_boundary_streams_declaring_large_bodies_are_refused_before_buffering() 
 def trickled(port: int, header: bytes, payload: bytes, source: str) -> socket.socket:
     """A connection that sends `header` (a frame header, after the preface for a HEADERS
     frame) and then the frame's payload a byte every 0.3 s, in a thread of its own."""
-    sock = attacks.connect(HOST, port, source)
+    sock = raw.connect(HOST, port, source)
 
     def trickle() -> None:
         try:
@@ -314,17 +315,17 @@ def test_boundary_trickled_frames_and_refused_streams_keep_no_connection_open() 
     never was)."""
     flags = [*SIM, *SHORT_TIMEOUTS, "--idle-timeout", "2"]
     with launched_process(flags) as (port, _):
-        block = attacks.request_block(f"{HOST}:{port}")
-        preface = attacks.PREFACE + attacks.frame(attacks.SETTINGS, 0, 0)
-        headers = attacks.frame(attacks.HEADERS, attacks.END_HEADERS, 1, block)
-        settings = attacks.frame(attacks.SETTINGS, 0, 0, bytes(6 * 10))
+        block = raw.request_block(f"{HOST}:{port}")
+        preface = raw.PREFACE + raw.frame(raw.SETTINGS, 0, 0)
+        headers = raw.frame(raw.HEADERS, raw.END_HEADERS, 1, block)
+        settings = raw.frame(raw.SETTINGS, 0, 0, bytes(6 * 10))
         opened = time.monotonic()
         socks = [trickled(port, preface + headers[:9], headers[9:], "127.0.0.2")]
-        socks.append(trickled(port, attacks.PREFACE + settings[:9], settings[9:], "127.0.0.3"))
-        unknown = attacks.request_block(f"{HOST}:{port}", "/no.Such/Method")
-        reset = attacks.frame(attacks.RST_STREAM, 0, 1, attacks.CANCEL.to_bytes(4, "big"))
-        refused = attacks.connect(HOST, port, "127.0.0.4")
-        refused.sendall(preface + attacks.frame(attacks.HEADERS, 4, 1, unknown) + reset)
+        socks.append(trickled(port, raw.PREFACE + settings[:9], settings[9:], "127.0.0.3"))
+        unknown = raw.request_block(f"{HOST}:{port}", "/no.Such/Method")
+        reset = raw.frame(raw.RST_STREAM, 0, 1, raw.CANCEL.to_bytes(4, "big"))
+        refused = raw.connect(HOST, port, "127.0.0.4")
+        refused.sendall(preface + raw.frame(raw.HEADERS, 4, 1, unknown) + reset)
         closed = attacks.when_closed([*socks, refused], seconds=8, since=opened)
         assert served(port)
     print(
@@ -342,12 +343,12 @@ def test_boundary_declared_sizes_alone_hold_none_of_the_request_budget() -> None
     were taken as declared): a well-behaved client's requests are all served meanwhile
     (before: refused, RESOURCE_EXHAUSTED, until the squatters' request timeout)."""
     with launched_process([*SIM, "--request-timeout", "5"]) as (port, _):
-        block = attacks.request_block(f"{HOST}:{port}")
-        squat = attacks.connect(HOST, port, "127.0.0.2")
-        data = attacks.PREFACE + attacks.frame(attacks.SETTINGS, 0, 0)
+        block = raw.request_block(f"{HOST}:{port}")
+        squat = raw.connect(HOST, port, "127.0.0.2")
+        data = raw.PREFACE + raw.frame(raw.SETTINGS, 0, 0)
         for i in range(16):
-            data += attacks.frame(attacks.HEADERS, attacks.END_HEADERS, 2 * i + 1, block)
-            data += attacks.frame(attacks.DATA, 0, 2 * i + 1, b"\0" + (4 << 20).to_bytes(4, "big"))
+            data += raw.frame(raw.HEADERS, raw.END_HEADERS, 2 * i + 1, block)
+            data += raw.frame(raw.DATA, 0, 2 * i + 1, b"\0" + (4 << 20).to_bytes(4, "big"))
         squat.sendall(data)
         time.sleep(0.5)
         outcomes = [served(port) for _ in range(10)]
@@ -360,22 +361,22 @@ def test_boundary_data_on_closed_streams_and_huge_decoded_headers_are_cut_off() 
     server an RST_STREAM: cut off past the control-frame burst. A header block of 3 KiB that
     decodes (HPACK indexing) to 56 KiB: refused, past --max-header-bytes as decoded."""
     with launched_process(SIM) as (port, _):
-        get = attacks.request_block(f"{HOST}:{port}").replace(b"POST", b"GET ")
-        opening = attacks.frame(attacks.HEADERS, attacks.END_HEADERS, 1, get)
-        one = attacks.frame(attacks.DATA, 0, 1, b"x")
+        get = raw.request_block(f"{HOST}:{port}").replace(b"POST", b"GET ")
+        opening = raw.frame(raw.HEADERS, raw.END_HEADERS, 1, get)
+        one = raw.frame(raw.DATA, 0, 1, b"x")
         report = attacks.flood(
             HOST, port, iter([(0, opening), *[(1000, one * 1000)] * 50]), 10, True
         )
         big = [(":method", "POST"), (":scheme", "http"), (":path", "/loom.v1.Loom/Generate")]
         big += [(":authority", "x")] + [("x-big", "y" * 4000)] * 14
         block = Encoder().encode(big)
-        sock = attacks.connect(HOST, port)
+        sock = raw.connect(HOST, port)
         listener = attacks.Listener(sock, time.monotonic())
         listener.start()
         sock.sendall(
-            attacks.PREFACE
-            + attacks.frame(attacks.SETTINGS, 0, 0)
-            + attacks.frame(attacks.HEADERS, attacks.END_HEADERS, 1, block)
+            raw.PREFACE
+            + raw.frame(raw.SETTINGS, 0, 0)
+            + raw.frame(raw.HEADERS, raw.END_HEADERS, 1, block)
         )
         listener.done.wait(10)
         sock.close()

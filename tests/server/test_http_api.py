@@ -23,6 +23,7 @@ import pytest
 import torch
 import trio
 
+from loom.client.sse import events
 from loom.core.config import SchedulerConfig
 from loom.engine.engine import Engine
 from loom.model.loader import LoadedModel
@@ -32,7 +33,7 @@ from loom.server.openai.config import HttpConfig
 from loom.server.tenants import TenantConfig
 from tests.greedy import reference_tokens
 from tests.grpc_client import in_asyncio
-from tests.http_client import HOST, events, openai_client, post
+from tests.http_client import HOST, openai_client, post
 from tests.server.test_disconnects import kill_rounds
 from tests.server.test_tenants import abort
 from tests.server_harness import serving

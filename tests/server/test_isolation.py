@@ -27,6 +27,8 @@ from grpclib.client import Channel
 from grpclib.exceptions import StreamTerminatedError
 from hyperframe.frame import HeadersFrame, RstStreamFrame
 
+from loom.client.channel import SMALL_WINDOWS
+from loom.client.frames import grpc_message
 from loom.core.config import SchedulerConfig
 from loom.model.loader import LoadedModel
 from loom.server.bridge import TrioBridge
@@ -35,7 +37,6 @@ from loom.v1.loom_grpc import LoomStub
 from tests.greedy import reference_tokens
 from tests.grpc_client import (
     HOST,
-    SMALL_WINDOWS,
     generate,
     greedy,
     in_asyncio,
@@ -294,7 +295,7 @@ async def test_isolation_a_deadline_already_past_on_arrival_is_deadline_exceeded
     async with serving(tiny_chat) as (_, port):
         with trio.fail_after(30):
             trailers = await in_asyncio(
-                raw_call, port, GENERATE, frame(greedy([1, 2], 5)), [("grpc-timeout", "1u")]
+                raw_call, port, GENERATE, grpc_message(greedy([1, 2], 5)), [("grpc-timeout", "1u")]
             )
     assert trailers.get("grpc-status") == str(Status.DEADLINE_EXCEEDED.value), trailers
 
@@ -303,42 +304,42 @@ GENERATE = "/loom.v1.Loom/Generate"
 STATS = "/loom.v1.Loom/GetServerStats"
 
 
-def frame(message: Any, *, size: int | None = None) -> bytes:
-    """A gRPC frame: uncompressed, the message's length (or `size`), the message."""
-    body = message if isinstance(message, bytes) else message.SerializeToString()
-    return struct.pack(">?I", False, len(body) if size is None else size) + body
-
-
 @pytest.mark.parametrize(
     ("path", "data", "headers", "status", "message"),
     [
-        (GENERATE, frame(b"\xff\xff\xff"), [], Status.INVALID_ARGUMENT, "does not parse"),
-        (GENERATE, frame(greedy([1], 2), size=500), [], Status.INVALID_ARGUMENT, "cut short"),
+        (GENERATE, grpc_message(b"\xff\xff\xff"), [], Status.INVALID_ARGUMENT, "does not parse"),
+        (
+            GENERATE,
+            grpc_message(greedy([1], 2), size=500),
+            [],
+            Status.INVALID_ARGUMENT,
+            "cut short",
+        ),
         (GENERATE, b"\x00\x00", [], Status.INVALID_ARGUMENT, "cut short"),
         (
             GENERATE,
-            frame(greedy([1], 2)),
+            grpc_message(greedy([1], 2)),
             [("grpc-timeout", "banana")],
             Status.INVALID_ARGUMENT,
             "grpc-timeout header is malformed",
         ),
         (
             GENERATE,
-            frame(greedy([1], 2)),
+            grpc_message(greedy([1], 2)),
             [("grpc-timeout", "9" * 400 + "S")],  # a float overflows: gRPC allows 8 digits
             Status.INVALID_ARGUMENT,
             "grpc-timeout header is malformed",
         ),
         (
             GENERATE,
-            frame(greedy([1], 2)),
+            grpc_message(greedy([1], 2)),
             [("x-key-bin", "a")],  # not base64
             Status.INVALID_ARGUMENT,
             "the request metadata is malformed",
         ),
         (
             GENERATE,
-            frame(greedy([1], 2)),
+            grpc_message(greedy([1], 2)),
             [("x-key-bin", "é")],  # not ASCII
             Status.INVALID_ARGUMENT,
             "the request metadata is malformed",
@@ -470,7 +471,7 @@ async def open_streams(
     for i in range(count):
         stream_id = 2 * i + 1
         connection.send_headers(stream_id, request_headers(port, GENERATE))
-        connection.send_data(stream_id, frame(greedy([i + 1, 2], 2)), end_stream=True)
+        connection.send_data(stream_id, grpc_message(greedy([i + 1, 2], 2)), end_stream=True)
     writer.write(connection.data_to_send())
     statuses: dict[int, str] = {}
     chunk = await reader.read(65536)
@@ -511,7 +512,7 @@ async def hold_then_refuse_reset_streams(port: int) -> dict[int, str]:
     async with bare_connection(port) as (reader, writer, connection):
         for i in range(32):
             connection.send_headers(2 * i + 1, request_headers(port, GENERATE))
-            connection.send_data(2 * i + 1, frame(greedy([i + 1, 2], 40)), end_stream=True)
+            connection.send_data(2 * i + 1, grpc_message(greedy([i + 1, 2], 40)), end_stream=True)
         writer.write(connection.data_to_send())
         raw = b""
         for i in range(32, 52):

@@ -23,10 +23,11 @@ from grpclib.exceptions import StreamTerminatedError
 from grpclib.health.v1.health_grpc import HealthStub
 from grpclib.health.v1.health_pb2 import HealthCheckRequest
 
+from loom.client.channel import SMALL_WINDOWS
 from loom.server.drain import GRACE as DRAIN_GRACE
 from loom.v1 import loom_pb2 as pb
 from loom.v1.loom_grpc import LoomStub
-from tests.grpc_client import HOST, NOT_SERVING, SMALL_WINDOWS, greedy, token_ids
+from tests.grpc_client import HOST, NOT_SERVING, greedy, token_ids
 
 LOOM = [sys.executable, "-m", "loom"]
 

@@ -26,6 +26,7 @@ from grpclib.reflection.v1.reflection_pb2 import ServerReflectionRequest
 from transformers import AutoTokenizer
 
 from loom.chaos.clients import KILLED_CLIENT
+from loom.client.channel import SMALL_WINDOWS
 from loom.core.config import SchedulerConfig
 from loom.core.sampling_params import SamplingParams
 from loom.engine.config import EngineConfig
@@ -43,7 +44,6 @@ from tests.grpc_client import (
     HOST,
     NOT_SERVING,
     SERVING,
-    SMALL_WINDOWS,
     generate,
     greedy,
     health,

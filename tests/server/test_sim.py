@@ -10,8 +10,8 @@ import pytest
 from grpclib import GRPCError, Status
 from grpclib.client import Channel
 
-from loom.bench.server_watch import server_stats
 from loom.bench.serving import launched_process
+from loom.client.calls import server_stats
 from loom.core.config import CacheConfig
 from loom.core.sampling_params import SamplingParams
 from loom.core.step import SamplingInput, ScheduledSequence, SchedulerOutput

@@ -9,7 +9,6 @@ Rules: port 0; the server in this process; clients on their own asyncio loops in
 from __future__ import annotations
 
 import socket
-import time
 
 import h2.connection
 import h2.events
@@ -17,8 +16,9 @@ import pytest
 import trio
 from grpclib import GRPCError, Status
 from grpclib.client import Channel
+from hyperframe.frame import DataFrame, Frame, HeadersFrame
 
-from loom.chaos import attacks
+from loom.client import frames as raw
 from loom.model.loader import LoadedModel
 from loom.v1 import loom_pb2 as pb
 from loom.v1.loom_grpc import LoomStub
@@ -58,27 +58,7 @@ async def test_streams_refused_unread_leave_the_connection_s_window_open(
     assert outcomes == [Status.RESOURCE_EXHAUSTED] * 20 + [3]
 
 
-def read_frames(sock: socket.socket, seconds: float) -> list[tuple[int, int, int, bytes]]:
-    """(kind, flags, stream id, payload) of every frame until the connection closes."""
-    frames, buffer, deadline = [], b"", time.monotonic() + seconds
-    sock.settimeout(seconds)
-    while time.monotonic() < deadline:
-        try:
-            chunk = sock.recv(65536)
-        except (TimeoutError, ConnectionResetError):
-            break
-        if not chunk:
-            break
-        buffer += chunk
-        while len(buffer) >= 9 and len(buffer) >= 9 + int.from_bytes(buffer[:3], "big"):
-            length = int.from_bytes(buffer[:3], "big")
-            stream_id = int.from_bytes(buffer[5:9], "big")
-            frames.append((buffer[3], buffer[4], stream_id, buffer[9 : 9 + length]))
-            buffer = buffer[9 + length :]
-    return frames
-
-
-def call_then_goaway(port: int) -> list[tuple[int, int, int, bytes]]:
+def call_then_goaway(port: int) -> list[Frame]:
     """A Generate call of 60 tokens, then at once the client's GOAWAY (last stream 1)."""
     connection = h2.connection.H2Connection()
     connection.initiate_connection()
@@ -88,9 +68,9 @@ def call_then_goaway(port: int) -> list[tuple[int, int, int, bytes]]:
     body = greedy([1, 2], 60).SerializeToString()
     connection.send_data(1, b"\0" + len(body).to_bytes(4, "big") + body, end_stream=True)
     with socket.create_connection((HOST, port)) as sock:
-        goaway = attacks.frame(attacks.GOAWAY, 0, 0, (1).to_bytes(4, "big") + bytes(4))
+        goaway = raw.frame(raw.GOAWAY, 0, 0, (1).to_bytes(4, "big") + bytes(4))
         sock.sendall(connection.data_to_send() + goaway)
-        return read_frames(sock, 30)
+        return raw.read_frames(sock, 30)
 
 
 async def test_streams_a_client_s_goaway_lets_its_streams_in_flight_finish(
@@ -104,10 +84,10 @@ async def test_streams_a_client_s_goaway_lets_its_streams_in_flight_finish(
         with trio.fail_after(60):
             frames = await trio.to_thread.run_sync(call_then_goaway, port)
             await wait_all_blocks_free(port)
-    data = [f for f in frames if f[0] == attacks.DATA and f[2] == 1]
-    ends = [f for f in frames if f[0] == attacks.HEADERS and f[1] & attacks.END_STREAM]
+    data = [f for f in frames if isinstance(f, DataFrame) and f.stream_id == 1]
+    ends = [f for f in frames if isinstance(f, HeadersFrame) and "END_STREAM" in f.flags]
     assert len(ends) == 1, frames  # the trailers
-    assert sum(len(f[3]) for f in data) > 60 * 5  # every token's message
+    assert sum(len(f.data) for f in data) > 60 * 5  # every token's message
 
 
 def watch_then_junk(port: int, frames: int) -> tuple[int, str]:

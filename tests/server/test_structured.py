@@ -18,12 +18,13 @@ import trio
 from grpclib.const import Status
 from grpclib.exceptions import GRPCError
 
+from loom.client.sse import events
 from loom.model.loader import LoadedModel
 from loom.server.openai.config import HttpConfig
 from loom.v1 import loom_pb2 as pb
 from tests.engine.test_constraints import SCHEMAS
 from tests.grpc_client import generate, in_asyncio
-from tests.http_client import events, openai_client, post
+from tests.http_client import openai_client, post
 from tests.server_harness import serving
 
 HTTP = HttpConfig(http_port=0)

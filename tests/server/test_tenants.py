@@ -21,11 +21,12 @@ from grpclib.client import Channel
 from grpclib.health.v1.health_grpc import HealthStub
 from grpclib.health.v1.health_pb2 import HealthCheckRequest
 
+from loom.client.channel import SMALL_WINDOWS
 from loom.model.loader import LoadedModel
 from loom.server.tenants import TenantConfig, Tenants
 from loom.v1 import loom_pb2 as pb
 from loom.v1.loom_grpc import LoomStub
-from tests.grpc_client import HOST, SMALL_WINDOWS, greedy, in_asyncio, token_ids
+from tests.grpc_client import HOST, greedy, in_asyncio, token_ids
 from tests.server_harness import serving
 
 GENERATE = "/loom.v1.Loom/Generate"

@@ -26,15 +26,16 @@ import trustme
 from grpclib.client import Channel
 from grpclib.exceptions import StreamTerminatedError
 
+from loom.client.calls import health
+from loom.client.channel import Client
+from loom.client.tls import client_context
 from loom.engine.config import EngineConfig
 from loom.engine.engine import Engine
 from loom.model.loader import LoadedModel
 from loom.server.boundary import BoundaryConfig
 from loom.server.config import ServerConfig
-from loom.server.health_probe import check
 from loom.server.openai.config import HttpConfig
 from loom.server.supervisor import Supervisor
-from loom.server.tls import client_context
 from loom.v1 import loom_pb2 as pb
 from loom.v1.loom_grpc import LoomStub
 from tests.grpc_client import HOST, greedy, in_asyncio, token_ids
@@ -111,7 +112,7 @@ async def test_tls_grpclib_and_grpcio_clients_are_served(
             context = client_context(str(pki["ca"]))
             assert len(await in_asyncio(grpclib_generate, port, context)) == 4
             assert await trio.to_thread.run_sync(grpcio_generate, port, pki["ca"]) == 4
-            assert await in_asyncio(check, HOST, port, "", context) == "SERVING"
+            assert await in_asyncio(health, HOST, port, Client(tls=context)) == "SERVING"
 
 
 async def test_tls_mutual_wants_a_client_certificate_from_the_ca(

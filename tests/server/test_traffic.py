@@ -14,6 +14,7 @@ import trio
 from grpclib import GRPCError, Status
 
 from loom.chaos import attacks
+from loom.client import frames as raw
 from loom.model.sim import SimRunner, load_sim
 from loom.server.boundary import BoundaryConfig
 from loom.server.caps import ConnectionCaps
@@ -99,7 +100,7 @@ class Squatters(threading.Thread):
                     sock.close()
                     self.reopened += 1
                 try:
-                    held[i] = attacks.connect(HOST, port, source, timeout=1)
+                    held[i] = raw.connect(HOST, port, source, timeout=1)
                     held[i].setblocking(False)  # type: ignore[union-attr]
                 except OSError:
                     held[i] = None
@@ -149,11 +150,11 @@ async def test_traffic_one_peer_s_connections_on_both_ports_count_against_one_ca
     ):
         port = server.http_port or 0
         with trio.fail_after(30):
-            held = [attacks.connect(HOST, grpc_port, "127.0.0.2") for _ in range(2)]
-            held.append(attacks.connect(HOST, port, "127.0.0.2"))
+            held = [raw.connect(HOST, grpc_port, "127.0.0.2") for _ in range(2)]
+            held.append(raw.connect(HOST, port, "127.0.0.2"))
             await trio.sleep(0.2)
-            over_http = attacks.connect(HOST, port, "127.0.0.2")
-            over_grpc = attacks.connect(HOST, grpc_port, "127.0.0.2")
+            over_http = raw.connect(HOST, port, "127.0.0.2")
+            over_grpc = raw.connect(HOST, grpc_port, "127.0.0.2")
             http_reply = await trio.to_thread.run_sync(read_all, over_http)
             grpc_reply = await trio.to_thread.run_sync(read_all, over_grpc)
             other = await post(port, "/version", None, {}, "GET")  # from 127.0.0.1

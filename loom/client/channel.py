@@ -1,6 +1,5 @@
-"""How the benchmark's clients call a server: plaintext or TLS (`--tls`, `--tls-ca-file`,
-`--tls-cert-file`, `--tls-key-file`, as `loom health` takes them), and metadata sent with every
-call (`--api-key`, or a tenant's name)."""
+"""How a client calls a server over gRPC: plaintext or TLS, and metadata sent with every call
+(an API key, a tenant's name)."""
 
 from __future__ import annotations
 
@@ -10,9 +9,13 @@ from typing import Any
 
 import attrs
 from grpclib.client import Channel
+from grpclib.config import Configuration
 from grpclib.events import SendRequest, listen
 
-from loom.server.health_probe import tls_of
+from loom.client.tls import tls_of
+
+# The smallest HTTP/2 windows: a client that stops reading holds back the server at once.
+SMALL_WINDOWS = Configuration(http2_connection_window_size=65535, http2_stream_window_size=65535)
 
 
 @attrs.frozen(kw_only=True)
@@ -22,6 +25,7 @@ class Client:
 
     @classmethod
     def of(cls, args: argparse.Namespace) -> Client:
+        """The client the TLS flags and `--api-key` ask for."""
         key = getattr(args, "api_key", None)
         return cls(tls=tls_of(args), metadata={"authorization": f"Bearer {key}"} if key else None)
 
