@@ -8,10 +8,10 @@ For each library it prints the cold compile time of a realistic JSON schema (nes
 an array, enums, an integer range, optional fields, no additional properties), the same
 schema again (its own cache, where it has one), and the time to compute the token masks of one
 decode step for 1, 8 and 64 sequences, each walking a valid document of its own token by token
-(so that no two rows share a parser state, as in a real batch). The
-figures are the README's "Why llguidance" table; the first line is Loom's own path (the masks
-made into the logits' bias on the mask thread, then added in the sampler). Nothing else may
-run beside it.
+(so that no two rows share a parser state, as in a real batch). The figures are the "Why
+llguidance" table of docs/structured-outputs.md (BENCHMARKS.md, run N); the first line is
+Loom's own path (the masks made into the logits' bias on the mask thread, then added in the
+sampler). Nothing else may run beside it.
 """
 
 from __future__ import annotations

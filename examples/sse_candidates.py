@@ -1,5 +1,5 @@
 """The per-token cost of each candidate HTTP server's SSE path, measured as Loom's HTTP front
-chose its library (README, "The OpenAI HTTP API").
+chose its library (docs/apis.md, "The OpenAI HTTP API"; BENCHMARKS.md, run V).
 
 Each candidate serves one route that streams EVENTS chunk events (`data: {json}`, as an OpenAI
 chat chunk), one write per event with a turn of the event loop between, like a relay woken per

@@ -14,8 +14,9 @@
 
 llguidance builds its lexer lazily and bounds every step by "fuel" (LLParserLimits): a
 grammar too complex for a step puts its matcher in an error state, never a step that hangs;
-the request then ends with the error (`Request.stop_status`). Why llguidance: the README's
-"Structured outputs" section, with the figures of examples/constraint_candidates.py.
+the request then ends with the error (`Request.stop_status`). Why llguidance:
+docs/structured-outputs.md, "Why llguidance", with the figures of
+examples/constraint_candidates.py.
 """
 
 from __future__ import annotations

@@ -1,5 +1,5 @@
 """The loom.v1 gRPC front: Loom's own HTTP/2 layer on h2, every limit held where frames arrive
-(README, "The network boundary"), and the servicer its calls go to.
+(docs/serving.md, "The network boundary"), and the servicer its calls go to.
 
 What grpclib's own server does differently, and why Loom does not use it: a stream reset
 before its handler task starts is never released (rapid reset keeps ~9 KB a stream for the

@@ -1,1 +1,1 @@
-"""OpenAI's HTTP API on the same engine as the gRPC front (README, "The OpenAI HTTP API")."""
+"""OpenAI's HTTP API on the same engine as the gRPC front (docs/apis.md, "The OpenAI HTTP API")."""
