@@ -24,7 +24,7 @@ from typing import Any
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from loom.bench.serving import launched_process
-from tests.nginx_front import nginx_front
+from tests.support.nginx_front import nginx_front
 
 SIM = ["--model", "sim:step_ms=50,seq_ms=0,token_ms=0", "--max-num-seqs", "8"]
 BENCH = ["--model", "sim", "--concurrency", "64", "--num-prompts", "256", "--warmup", "8"]

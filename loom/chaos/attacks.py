@@ -1,6 +1,6 @@
 """Hostile HTTP/2 clients: raw sockets and frames made by hand, doing what no gRPC library would
 let a client do. `loom chaos` runs them as scenarios (loom/chaos/hostile.py) and the wire
-tests run them against Loom (tests/server/test_boundary.py). Each is synchronous, for a
+tests run them against Loom (tests/server/grpc/test_boundary.py). Each is synchronous, for a
 thread of its own, and bounded in count and time; each says what it saw: how much it sent,
 whether and how the server cut it off (a GOAWAY's error code and debug data, or the
 connection closed or reset).

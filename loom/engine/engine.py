@@ -116,7 +116,7 @@ class Engine:
         try:
             if self.state is not EngineState.SERVING or self.core is None:
                 raise EngineDeadError(self.refusal())
-            return self.core.admission.submit(
+            stream = self.core.admission.submit(
                 prompt,
                 sampling or SamplingParams(),
                 deadline=deadline,
@@ -128,6 +128,8 @@ class Engine:
         except (EngineDeadError, InvalidRequestError, EngineOverloadedError) as exc:
             self.observer.refused(exc, tenancy.tenant)
             raise
+        self.observer.state_changed()  # one more waiting
+        return stream
 
     @asynccontextmanager
     async def generate(
@@ -168,6 +170,13 @@ class Engine:
         if self.core is not None:
             self.core.admission.close()
 
+    async def until(self, condition: Callable[[], object]) -> None:
+        """Return once `condition()` holds, checked now and after each change of the engine's
+        state (a submission, a turn of the stepping loop, a refusal, an end, an abort): how
+        tests and tools wait on the engine, on an event rather than a poll."""
+        while not condition():
+            await self.observer.changed.wait()
+
     def stats(self, tenant: str | None = None) -> EngineStats:
         """The engine's figures; by tenant, every tenant's or (`tenant`) that one's alone."""
         return self.loaded_core().stats(tenant)
@@ -190,6 +199,7 @@ class Engine:
         self.state, self.stop_reason = EngineState.STOPPED, reason
         if self.core is not None:
             self.core.stop(reason)
+        self.observer.state_changed()
 
 
 def innermost(exc: BaseException) -> BaseException:

@@ -94,6 +94,7 @@ class EngineCore:
     async def stepping_loop(self) -> None:
         while True:
             self.wakeup = trio.Event()
+            self.observer.state_changed()
             self.expire(trio.current_time())
             output = self.scheduler.schedule(trio.current_time())
             if output is not None:

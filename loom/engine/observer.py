@@ -11,6 +11,9 @@ stats a scrape reads, published from the stepping loop.
     ended     a request's stream ends               metrics, ledger, the request log
     cancelled an abort before admission             metrics
 
+Every event but a token, and every turn of the stepping loop, also sets `changed` (then a new
+one): what `Engine.until` waits on, so that nothing that waits on the engine's state polls it.
+
 The published stats are one snapshot a scrape reads from another thread: taken again once
 `every` has passed or requests have come or gone (counted in O(1): a step can last long), the
 per-tenant figures (a pass over every tenant) at most once a `TENANT_STATS_EVERY` while stepping.
@@ -20,6 +23,8 @@ from __future__ import annotations
 
 import time
 from collections import Counter
+
+import trio
 
 from loom.core.errors import EngineOverloadedError
 from loom.core.request import Request
@@ -40,9 +45,15 @@ class Observer:
         self.published_shape = (0, 0, 0)
         self.tenants: dict[str, TenantStats] = {}
         self.tenants_at = float("-inf")
+        self.changed = trio.Event()  # set at the next change of the engine's state
+
+    def state_changed(self) -> None:
+        self.changed.set()
+        self.changed = trio.Event()
 
     def admitted(self, request: Request) -> None:
         self.ledger.admitted(request.tenant, request.num_prompt_tokens, request.tenancy.weight)
+        self.state_changed()
 
     def stepped(self, num_seqs: int, seconds: float) -> None:
         self.metrics.stepped(num_seqs, seconds)
@@ -58,19 +69,23 @@ class Observer:
         self.metrics.refused(exc)
         if isinstance(exc, EngineOverloadedError):
             self.ledger.refusal(tenant)
+        self.state_changed()
 
     def pushed(self, request: Request) -> None:
         """A queued request's place taken by a tenant below its share: a refusal of its
         tenant's (it ends REFUSED, and is counted as it ends)."""
         self.ledger.refusal(request.tenant)
+        self.state_changed()
 
     def ended(self, request: Request, final: RequestOutput, now: float) -> None:
         self.metrics.ended(request, now)
         self.ledger.ended(request.tenant, request.num_cached_tokens)
         log_request(request, final)
+        self.state_changed()
 
     def cancelled(self) -> None:
         self.metrics.cancelled()
+        self.state_changed()
 
     def stats(
         self, scheduler: Scheduler, pending: Counter[str], tenant: str | None = None

@@ -25,7 +25,7 @@ from loom.core.sampling_params import SamplingParams
 from loom.core.scheduler import Scheduler
 from loom.core.step import SchedulerOutput
 from loom.core.tenancy import Tenancy
-from tests.factory import sampled
+from tests.support.factory import sampled
 
 MAX_PROMPT = 24
 MAX_OUTPUT = 12

@@ -11,7 +11,7 @@ from loom.core.request_output import Logprobs, TokenLogprob
 from loom.core.scheduler import Scheduler
 from loom.core.tenancy import Tenancy
 from tests.core.test_scheduler import make_scheduler, shape, step
-from tests.factory import make_request
+from tests.support.factory import make_request
 
 
 def request(request_id: str, prompt: list[int], salt: str = "", max_tokens: int = 100) -> Request:

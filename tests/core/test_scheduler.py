@@ -15,7 +15,7 @@ from loom.core.sampling_params import SamplingParams
 from loom.core.scheduler import Scheduler
 from loom.core.step import SchedulerOutput
 from loom.core.tenancy import Tenancy
-from tests.factory import make_request, sampled
+from tests.support.factory import make_request, sampled
 
 
 def make_scheduler(

@@ -20,9 +20,9 @@ from loom.core.sampling_params import SamplingParams
 from loom.core.tenancy import Tenancy
 from loom.engine.engine import Engine
 from loom.model.loader import LoadedModel
-from tests.compile_timing import QUICK, SLOW, Timing, limits, measure, schema
 from tests.conftest import tiny_model
 from tests.engine.test_engine import assert_idle, collect, serving, wait_until
+from tests.support.compile_timing import QUICK, SLOW, Timing, limits, measure, schema
 
 A, B = Tenancy(tenant="a"), Tenancy(tenant="b")
 

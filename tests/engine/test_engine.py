@@ -34,8 +34,8 @@ from loom.engine.request_stream import RequestStream
 from loom.model.loader import LoadedModel
 from loom.model.model_runner import ModelRunner
 from tests.conftest import tiny_model
-from tests.faults import calling_before_each_step, failing_at
-from tests.greedy import reference_tokens
+from tests.support.faults import calling_before_each_step, failing_at
+from tests.support.greedy import reference_tokens
 
 GREEDY = SamplingParams(temperature=0)
 CRASHED = "the engine crashed (RuntimeError); see the server log"
@@ -350,7 +350,7 @@ async def test_engine_shares_the_waiting_queue_between_tenants_by_weight() -> No
         with trio.fail_after(30):
             running = engine.submit([1] * 5, SamplingParams(max_tokens=400), tenancy=a)
             readers.start_soon(read_all, running)
-            await wait_until(lambda: engine.stats().num_running == 1)
+            await engine.until(lambda: engine.stats().num_running == 1)
             queued = [engine.submit([2] * 3, GREEDY, tenancy=a) for _ in range(4)]
             await trio.testing.wait_all_tasks_blocked()  # some admitted, or all: either way
             taken = [engine.submit([3] * 3, GREEDY, tenancy=b) for _ in range(2)]
@@ -362,7 +362,7 @@ async def test_engine_shares_the_waiting_queue_between_tenants_by_weight() -> No
                 engine.submit([2] * 3, GREEDY, tenancy=a)
             for stream in [running, *queued[:2], *taken]:
                 engine.abort(stream.request_id)
-            await wait_until(lambda: not engine.stats().num_running + engine.stats().num_waiting)
+            await engine.until(lambda: not engine.stats().num_running + engine.stats().num_waiting)
             assert_idle(engine)  # every block freed, the refused ones' included
 
 
@@ -389,9 +389,9 @@ async def test_engine_refuses_a_backlog_of_queued_prompt_tokens() -> None:
             # The only slot: a request that runs, read as it goes (a paused one would yield it).
             running = engine.submit([1] * 5, SamplingParams(temperature=0, max_tokens=400))
             readers.start_soon(read_all, running)
-            await wait_until(lambda: engine.stats().num_running == 1)
+            await engine.until(lambda: engine.stats().num_running == 1)
             queued = engine.submit([2] * 6, GREEDY)
-            await wait_until(lambda: engine.stats().num_waiting == 1)
+            await engine.until(lambda: engine.stats().num_waiting == 1)
             async with engine.generate([3] * 6, GREEDY) as refused:
                 with pytest.raises(EngineOverloadedError, match="max_waiting_tokens=10"):
                     await refused.__anext__()
@@ -406,7 +406,7 @@ async def test_engine_deadline_passing_in_the_queue() -> None:
             # The only slot: a request that runs for 400 steps, read as it goes.
             blocker = engine.submit([1] * 5, SamplingParams(temperature=0, max_tokens=400))
             readers.start_soon(read_all, blocker)
-            await wait_until(lambda: engine.stats().num_running == 1)
+            await engine.until(lambda: engine.stats().num_running == 1)
             late = await collect(engine, [4, 5], GREEDY, deadline=trio.current_time() + 0.05)
             assert len(late) == 1
             assert late[0].finish_reason is FinishReason.DEADLINE
@@ -414,7 +414,7 @@ async def test_engine_deadline_passing_in_the_queue() -> None:
             assert late[0].token_ids == ()
             assert engine.stats().num_running == 1  # the blocker was still running
             engine.abort(blocker.request_id)
-        await wait_until(lambda: engine.stats().num_running == 0)
+        await engine.until(lambda: engine.stats().num_running == 0)
         assert_idle(engine)
 
 
@@ -423,7 +423,7 @@ async def test_engine_deadline_passing_mid_decode(idle_jump_clock: trio.abc.Cloc
         with trio.fail_after(60):
             sampling = SamplingParams(temperature=0, max_tokens=400)
             stream = engine.submit([1, 2], sampling, deadline=trio.current_time() + 1.0)
-            await wait_until(lambda: engine.stats().num_paused)
+            await engine.until(lambda: engine.stats().num_paused)
             await trio.sleep(1.0)
             outputs = stream.take()
             assert len(tokens_of(outputs)) == 3  # the deadline passed after 3 tokens
@@ -461,7 +461,7 @@ async def test_engine_pauses_a_full_buffer_and_resumes_when_drained() -> None:
     async with serving(loaded, output_buffer_size=4) as engine:
         with trio.fail_after(60):
             slow = engine.submit([3, 1, 4], SamplingParams(temperature=0, max_tokens=30))
-            await wait_until(lambda: engine.stats().num_paused)
+            await engine.until(lambda: engine.stats().num_paused)
             assert len(slow.buffer) == 4  # paused at a full buffer, nothing lost
             fast = await collect(engine, [2, 7], SamplingParams(temperature=0, max_tokens=20))
             assert len(tokens_of(fast)) == 20  # a paused neighbour does not hold others up
@@ -483,7 +483,7 @@ async def test_engine_aborts_a_stalled_consumer_and_frees_its_blocks() -> None:
             stalled = engine.submit([3, 1, 4], SamplingParams(temperature=0, max_tokens=100))
             healthy = await collect(engine, [2, 7], SamplingParams(temperature=0, max_tokens=50))
             assert healthy[-1].finish_reason is FinishReason.LENGTH
-            await wait_until(lambda: engine.stats().finished.get("stalled"))
+            await engine.until(lambda: engine.stats().finished.get("stalled"))
             outputs = stalled.take()
             assert len(outputs) == 5  # the 4 it left unread, then the end
             assert outputs[-1].finish_reason is FinishReason.STALLED
@@ -538,7 +538,7 @@ async def test_engine_shutdown_ends_every_live_request_with_an_error() -> None:
             await nursery.start(engine.run)
             for i in range(4):
                 consumers.start_soon(consume, [i + 1] * 3)
-            await wait_until(lambda: engine.stats().num_running == 4)  # admitted and running
+            await engine.until(lambda: engine.stats().num_running == 4)  # admitted and running
             nursery.cancel_scope.cancel()
     assert [o.finish_reason for o in finals] == [FinishReason.ERROR] * 4
     assert {o.error for o in finals} == {"the engine stopped"}

@@ -16,7 +16,7 @@ from loom.core.sampling_params import SamplingParams
 from loom.model.loader import LoadedModel
 from tests.conftest import tiny_model
 from tests.engine.test_engine import assert_idle, collect, serving, tokens_of
-from tests.greedy import reference_tokens
+from tests.support.greedy import reference_tokens
 
 BLOCK = 4
 

@@ -12,7 +12,7 @@ from loom.core.errors import EngineOverloadedError
 from loom.core.request import Request
 from loom.core.tenancy import Tenancy
 from loom.engine.queue_share import QueueShare
-from tests.factory import make_request
+from tests.support.factory import make_request
 
 
 def queue_of(counts: dict[str, int], weights: dict[str, float]) -> list[Request]:

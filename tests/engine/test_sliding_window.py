@@ -18,8 +18,8 @@ from loom.core.request_output import FinishReason
 from loom.core.sampling_params import SamplingParams
 from tests.engine.test_engine import collect, run_against_reference, serving, tokens_of
 from tests.engine.test_prefix_caching import run_shared_prefixes
-from tests.greedy import reference_tokens
 from tests.model.test_families import WINDOW, case_model
+from tests.support.greedy import reference_tokens
 
 SLIDING = ("mistral-window", "phi3-partial-window", "qwen3-window-bias", "qwen2-moe-norm-window")
 BLOCK = 4

@@ -15,10 +15,10 @@ from grpclib.exceptions import StreamTerminatedError
 
 from loom.v1 import loom_pb2 as pb
 from loom.v1.loom_grpc import LoomStub
-from tests.grpc_client import HOST, SERVING, generate, greedy, health, run_client, token_ids
-from tests.http_client import openai_client
 from tests.image import harness
 from tests.image.conftest import FIGURES
+from tests.support.grpc_client import HOST, SERVING, generate, greedy, health, run_client, token_ids
+from tests.support.http_client import openai_client
 
 QUESTION = "What is the capital of France?"
 # The image's target is 1.3 GB on python:3.11-slim-bookworm (about 0.15 GB); the stand-in bases

@@ -24,8 +24,8 @@ from loom.model.family import UnsupportedModelError, family_of
 from loom.model.loader import LoadedModel
 from loom.model.model_runner import ModelRunner
 from tests.conftest import FAMILIES, tiny_model
-from tests.greedy import GreedyRequest, reference_tokens, run_greedy
 from tests.model.test_blocks import as_if_from_a_gguf
+from tests.support.greedy import GreedyRequest, reference_tokens, run_greedy
 
 WINDOW = 12
 HEAD = {"head_dim": 16}

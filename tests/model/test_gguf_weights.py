@@ -15,8 +15,8 @@ from loom.model.gguf_file import read_file_header
 from loom.model.gguf_weights import read_weights
 from loom.model.loader import TENSORS_FILE, converted_gguf_folder, default_model_path, load_model
 from tests.conftest import tiny_model
-from tests.gguf_writer import small_tokenizer_fields, write_model_gguf
 from tests.model.test_loader import assert_same_weights, transformers_read
+from tests.support.gguf_writer import small_tokenizer_fields, write_model_gguf
 
 CPU = torch.device("cpu")
 # gguf can write these (its K-quants it only reads); llama.cpp's files hold any of them.

@@ -23,7 +23,7 @@ from loom.core.constraint import Constraint, ConstraintKind
 from loom.core.errors import InvalidRequestError
 from loom.model.grammar import GrammarMatcher, Grammars
 from loom.model.masks import apply_masks
-from tests.compile_timing import LARGE, LLGUIDANCE_STEP_ITEMS, schema
+from tests.support.compile_timing import LARGE, LLGUIDANCE_STEP_ITEMS, schema
 
 
 def regex(spec: str) -> Constraint:

@@ -27,8 +27,8 @@ from loom.model.loader import (
 )
 from loom.model.model_runner import ModelRunner
 from tests.conftest import tiny_model
-from tests.gguf_writer import small_tokenizer_fields, write_model_gguf
-from tests.greedy import GreedyRequest, reference_tokens, run_greedy
+from tests.support.gguf_writer import small_tokenizer_fields, write_model_gguf
+from tests.support.greedy import GreedyRequest, reference_tokens, run_greedy
 
 CPU = torch.device("cpu")
 

@@ -21,7 +21,7 @@ from loom.model.device import DTYPES
 from loom.model.loader import LoadedModel
 from loom.model.model_runner import ModelRunner
 from tests.conftest import tiny_model
-from tests.greedy import GreedyRequest, reference_tokens, run_greedy
+from tests.support.greedy import GreedyRequest, reference_tokens, run_greedy
 
 Prompt = Callable[[int, int], list[int]]
 

@@ -20,7 +20,7 @@ from hyperframe.frame import DataFrame, Frame, GoAwayFrame, HeadersFrame, PingFr
 from loom.bench.serving import launched_process
 from loom.client.frames import split_frames
 from loom.v1 import loom_pb2 as pb
-from tests.grpc_client import HOST, greedy, token_ids
+from tests.support.grpc_client import HOST, greedy, token_ids
 
 SIM = ["--model", "sim:step_ms=20", "--drain-timeout", "5"]
 ALL_STREAMS = (1 << 31) - 1

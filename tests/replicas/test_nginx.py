@@ -3,7 +3,7 @@ killed clients and deadlines reach the replica through the proxy; calls spread o
 and a routing key pins them to one.
 
 Rules: replicas are `loom serve --model sim` processes (the step is a sleep, so replicas do not
-fight over the 2 cores), nginx runs in the foreground on a free port (tests/nginx_front.py),
+fight over the 2 cores), nginx runs in the foreground on a free port (tests/support/nginx_front.py),
 and each replica is also asked directly (GetServerStats) what it did.
 """
 
@@ -30,8 +30,8 @@ from loom.bench.serving import launched_process
 from loom.chaos.clients import KILLED_CLIENT
 from loom.client.calls import server_stats
 from loom.v1.loom_grpc import LoomStub
-from tests.grpc_client import HOST, greedy, run_client
-from tests.nginx_front import nginx_front, nginx_path
+from tests.support.grpc_client import HOST, greedy, run_client
+from tests.support.nginx_front import nginx_front, nginx_path
 
 SIM = ["--model", "sim:step_ms=20", "--drain-timeout", "10"]
 # CI installs nginx (.ci/run); elsewhere, without it, these tests say so and do not run.

@@ -3,9 +3,8 @@ processes SIGKILLed at random points of their streams, hundreds of times, and wi
 last kill the engine has nothing running and every block free. Not eventually: a request left
 behind would run its 2,000 tokens (20 s of 10 ms steps).
 
-Rules: port 0; the server in this process (trio), its clients forked by tests/killable.py and
-killed from a worker thread; the whole test under `fail_after`.
-"""
+Rules: port 0; the server in this process (trio), its clients forked by tests/support/killable.py
+and killed from a worker thread; the whole test under `fail_after`."""
 
 from __future__ import annotations
 
@@ -21,8 +20,8 @@ import trio
 
 from loom.engine.engine import Engine
 from loom.model.sim import SimRunner, load_sim
-from tests.grpc_client import HOST
-from tests.server_harness import serving
+from tests.support.grpc_client import HOST
+from tests.support.server_harness import serving
 
 ROUNDS = 8
 PER_ROUND = 25  # 200 kills in all
@@ -38,9 +37,9 @@ def kill_rounds(
     http_port: int | None = None,
     rounds: int = ROUNDS,
 ) -> float:
-    """Fork clients (of `kinds`, in turn: tests/killable.py) and SIGKILL each at a random
+    """Fork clients (of `kinds`, in turn: tests/support/killable.py) and SIGKILL each at a random
     moment of its first `KILL_WITHIN` seconds, a round at a time; when the last one died."""
-    command = [sys.executable, "-m", "tests.killable", HOST, str(port)]
+    command = [sys.executable, "-m", "tests.support.killable", HOST, str(port)]
     command += [str(http_port)] if http_port is not None else []
     with subprocess.Popen(
         command, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True

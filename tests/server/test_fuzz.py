@@ -20,9 +20,9 @@ from hypothesis import strategies as st
 from loom.engine.engine import EngineState
 from loom.v1 import loom_pb2 as pb
 from tests.conftest import tiny_model
-from tests.greedy import reference_tokens
-from tests.grpc_client import generate, greedy, in_asyncio, token_ids, wait_all_blocks_free
-from tests.server_harness import serving
+from tests.support.greedy import reference_tokens
+from tests.support.grpc_client import generate, greedy, in_asyncio, token_ids, wait_all_blocks_free
+from tests.support.server_harness import serving
 
 INT32 = st.integers(-(2**31), 2**31 - 1)
 FLOATS = st.one_of(

@@ -10,7 +10,7 @@ import trio
 from loom.core.sampling_params import SamplingParams
 from loom.model.loader import LoadedModel
 from tests.conftest import tiny_model
-from tests.server_harness import loading, serving
+from tests.support.server_harness import loading, serving
 
 
 @pytest.fixture

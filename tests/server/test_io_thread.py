@@ -2,10 +2,9 @@
 controls past a few milliseconds at a time: a neighbour's stream keeps its pace while a hostile
 client makes the server read costly request bodies.
 
-Rules: a real `loom serve` process of the simulated model (its steps sleep: the gaps measured
-are the server's own), the hostile client a process of its own (tests/hostile_bodies.py), the
-neighbour a grpclib client here.
-"""
+Rules: a real `loom serve` process of the simulated model (its steps sleep: the gaps measured are
+the server's own), the hostile client a process of its own (tests/support/hostile_bodies.py), the
+neighbour a grpclib client here."""
 
 from __future__ import annotations
 
@@ -19,7 +18,7 @@ from grpclib.client import Channel
 
 from loom.bench.serving import launched_process
 from loom.v1.loom_grpc import LoomStub
-from tests.grpc_client import HOST, greedy, run_client
+from tests.support.grpc_client import HOST, greedy, run_client
 
 SIM = ["--model", "sim:step_ms=5", "--http-port", "0"]
 # A dozen bodies of nearly 4 MiB (max_request_bytes) of numbers, their last bytes sent together.
@@ -58,7 +57,7 @@ def test_io_thread_large_bodies_leave_a_neighbour_s_stream_at_its_pace() -> None
     context), none lost."""
     ports: dict[str, int] = {}
     with launched_process(SIM, ports=ports) as (port, _):
-        command = [sys.executable, "-m", "tests.hostile_bodies", HOST, str(ports["http"]),
+        command = [sys.executable, "-m", "tests.support.hostile_bodies", HOST, str(ports["http"]),
                    str(BODIES), str(MIB)]  # fmt: skip
         with subprocess.Popen(command, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
                               text=True) as attack:  # fmt: skip

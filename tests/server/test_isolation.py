@@ -34,8 +34,8 @@ from loom.model.loader import LoadedModel
 from loom.server.bridge import TrioBridge
 from loom.v1 import loom_pb2 as pb
 from loom.v1.loom_grpc import LoomStub
-from tests.greedy import reference_tokens
-from tests.grpc_client import (
+from tests.support.greedy import reference_tokens
+from tests.support.grpc_client import (
     HOST,
     generate,
     greedy,
@@ -46,7 +46,7 @@ from tests.grpc_client import (
     wait_all_blocks_free,
     wait_running,
 )
-from tests.server_harness import serving
+from tests.support.server_harness import serving
 
 
 def labelled(request: pb.GenerateRequest, request_id: str) -> pb.GenerateRequest:

@@ -22,7 +22,7 @@ from loom.model.loader import (
     model_cache_root,
 )
 from loom.server.openai.config import HttpConfig
-from tests.server_harness import serving
+from tests.support.server_harness import serving
 
 TASK = [  # (context, choices, the right one)
     ("The capital of France is", [" Paris", " London", " Madrid"], 0),

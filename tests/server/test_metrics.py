@@ -28,8 +28,8 @@ from loom.server.config import ServerConfig
 from loom.server.metrics import RENDER_SECONDS, JsonFormatter
 from loom.server.supervisor import Supervisor
 from loom.v1.loom_grpc import LoomStub
-from tests.faults import calling_before_each_step
-from tests.grpc_client import (
+from tests.support.faults import calling_before_each_step
+from tests.support.grpc_client import (
     HOST,
     generate,
     greedy,

@@ -27,7 +27,7 @@ from loom.server.config import ServerConfig
 from loom.server.metrics import MAX_SCRAPERS, SCRAPE_SECONDS
 from loom.server.supervisor import Supervisor
 from loom.v1.loom_grpc import LoomStub
-from tests.grpc_client import HOST, greedy, run_client
+from tests.support.grpc_client import HOST, greedy, run_client
 
 
 def scrape(port: int) -> int:

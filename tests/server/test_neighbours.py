@@ -1,10 +1,10 @@
-"""The neighbour case (issue 21), with real processes: a `loom serve` of the simulated model,
-tenant A in a process of its own (tests/neighbour.py) holding 64 unread 4,000-token streams on
-two connections and 300 more requests queued behind them, and tenant B, a well-behaved client
-in this process. B's request gets its first token within max(3 s, 10x its TTFT on the idle
-server) and completes; none of A's requests is lost: each of its streams completes once A reads
-again, and each queued request completes or was refused (RESOURCE_EXHAUSTED: A held its share
-of the queue, or B took its place).
+"""The neighbour case (issue 21), with real processes: a `loom serve` of the simulated model, tenant
+A in a process of its own (tests/support/neighbour.py) holding 64 unread 4,000-token streams on two
+connections and 300 more requests queued behind them, and tenant B, a well-behaved client in this
+process. B's request gets its first token within max(3 s, 10x its TTFT on the idle server) and
+completes; none of A's requests is lost: each of its streams completes once A reads again, and each
+queued request completes or was refused (RESOURCE_EXHAUSTED: A held its share of the queue, or B
+took its place).
 
 Rules: port 0; every wait bounded; figures printed (pytest -s shows them).
 """
@@ -25,17 +25,17 @@ from grpclib.client import Channel
 from loom.bench.serving import launched_process
 from loom.v1 import loom_pb2 as pb
 from loom.v1.loom_grpc import LoomStub
-from tests.grpc_client import HOST, greedy, run_client
+from tests.support.grpc_client import HOST, greedy, run_client
 
 NUM_LONG = 64
 NUM_QUEUED = 300
-NEIGHBOUR = [sys.executable, "-m", "tests.neighbour"]
+NEIGHBOUR = [sys.executable, "-m", "tests.support.neighbour"]
 SIM = "sim:step_ms=1,seq_ms=0.01,max_len=8192"
 
 
 @contextmanager
 def tenant_a(port: int, key: str, num_queued: int) -> Iterator[subprocess.Popen[str]]:
-    """Tenant A's process (tests/neighbour.py), once it has sent every request; killed, its
+    """Tenant A's process (tests/support/neighbour.py), once it has sent every request; killed, its
     pipes closed, whatever happens."""
     with subprocess.Popen(
         [*NEIGHBOUR, HOST, str(port), key, str(NUM_LONG), str(num_queued)],

@@ -10,8 +10,14 @@ from grpclib import GRPCError, Status
 from loom.core.config import CacheConfig
 from loom.model.loader import LoadedModel
 from loom.v1 import loom_pb2 as pb
-from tests.grpc_client import generate, greedy, in_asyncio, server_stats, wait_all_blocks_free
-from tests.server_harness import serving
+from tests.support.grpc_client import (
+    generate,
+    greedy,
+    in_asyncio,
+    server_stats,
+    wait_all_blocks_free,
+)
+from tests.support.server_harness import serving
 
 PROMPT = list(range(10, 60))  # 50 tokens: 3 full blocks of 16
 

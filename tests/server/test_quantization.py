@@ -10,8 +10,8 @@ import trio
 from loom.model import kernels
 from loom.model.loader import LoadedModel
 from loom.v1 import loom_pb2 as pb
-from tests.grpc_client import generate, greedy, in_asyncio, token_ids, wait_all_blocks_free
-from tests.server_harness import serving
+from tests.support.grpc_client import generate, greedy, in_asyncio, token_ids, wait_all_blocks_free
+from tests.support.server_harness import serving
 
 METHODS = [
     "int8",

@@ -27,7 +27,7 @@ from loom.client.channel import SMALL_WINDOWS
 from loom.server.drain import GRACE as DRAIN_GRACE
 from loom.v1 import loom_pb2 as pb
 from loom.v1.loom_grpc import LoomStub
-from tests.grpc_client import HOST, NOT_SERVING, greedy, token_ids
+from tests.support.grpc_client import HOST, NOT_SERVING, greedy, token_ids
 
 LOOM = [sys.executable, "-m", "loom"]
 

@@ -38,9 +38,9 @@ from loom.server.traffic import DrainPhase
 from loom.v1 import loom_pb2 as pb
 from loom.v1.loom_grpc import LoomStub
 from tests.conftest import tiny_model
-from tests.faults import calling_before_each_step, failing_at
-from tests.greedy import reference_tokens
-from tests.grpc_client import (
+from tests.support.faults import calling_before_each_step, failing_at
+from tests.support.greedy import reference_tokens
+from tests.support.grpc_client import (
     HOST,
     NOT_SERVING,
     SERVING,
@@ -55,7 +55,7 @@ from tests.grpc_client import (
     wait_paused,
     wait_running,
 )
-from tests.server_harness import loading, serving
+from tests.support.server_harness import loading, serving
 
 
 async def test_server_streams_carry_the_engine_tokens_for_many_concurrent_streams(

@@ -18,7 +18,7 @@ from loom.core.step import SamplingInput, ScheduledSequence, SchedulerOutput
 from loom.model.sim import SimRunner, load_sim
 from loom.v1 import loom_pb2 as pb
 from loom.v1.loom_grpc import LoomStub
-from tests.grpc_client import HOST, run_client
+from tests.support.grpc_client import HOST, run_client
 
 STREAMS = 2000
 STREAMS_PER_CHANNEL = 25  # under --max-streams-per-connection (32)

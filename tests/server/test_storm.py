@@ -1,6 +1,6 @@
-"""A kill storm of 1,000 clients against a real server (tests/storm.py): afterwards every block
-is free, no client saw INTERNAL, the engine is the one it started with, and a normal request is
-still answered correctly.
+"""A kill storm of 1,000 clients against a real server (tests/support/storm.py): afterwards every
+block is free, no client saw INTERNAL, the engine is the one it started with, and a normal request
+is still answered correctly.
 
 Rules: port 0; the whole storm under `fail_after`; its clients run on an asyncio loop in a
 worker thread, and some in processes of their own, SIGKILLed mid-stream.
@@ -12,10 +12,17 @@ import trio
 
 from loom.engine.engine import EngineState
 from loom.model.loader import LoadedModel
-from tests.greedy import reference_tokens
-from tests.grpc_client import HOST, generate, greedy, in_asyncio, token_ids, wait_all_blocks_free
-from tests.server_harness import serving
-from tests.storm import storm
+from tests.support.greedy import reference_tokens
+from tests.support.grpc_client import (
+    HOST,
+    generate,
+    greedy,
+    in_asyncio,
+    token_ids,
+    wait_all_blocks_free,
+)
+from tests.support.server_harness import serving
+from tests.support.storm import storm
 
 
 async def test_storm_of_a_thousand_clients_leaves_every_block_free(tiny_chat: LoadedModel) -> None:

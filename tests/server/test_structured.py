@@ -23,9 +23,9 @@ from loom.model.loader import LoadedModel
 from loom.server.openai.config import HttpConfig
 from loom.v1 import loom_pb2 as pb
 from tests.engine.test_constraints import SCHEMAS
-from tests.grpc_client import generate, in_asyncio
-from tests.http_client import openai_client, post
-from tests.server_harness import serving
+from tests.support.grpc_client import generate, in_asyncio
+from tests.support.http_client import openai_client, post
+from tests.support.server_harness import serving
 
 HTTP = HttpConfig(http_port=0)
 CHAT = [{"role": "user", "content": "Describe a person as JSON."}]

@@ -3,7 +3,7 @@ hostile tenant (its own key, nothing in common with the other) once did to the o
 constraints, and does no more.
 
 Rules: port 0, the server in this process, clients in worker threads, every test under
-`fail_after`; compile times measured on this machine first (tests/compile_timing.py), every
+`fail_after`; compile times measured on this machine first (tests/support/compile_timing.py), every
 limit set from them.
 """
 
@@ -24,10 +24,10 @@ from loom.core.constraint import Constraint
 from loom.model.loader import LoadedModel
 from loom.server.openai.config import HttpConfig
 from loom.server.tenants import TenantConfig
-from tests.compile_timing import QUICK, SLOW, Timing, limits, measure, schema
-from tests.grpc_client import HOST
-from tests.http_client import post
-from tests.server_harness import serving
+from tests.support.compile_timing import QUICK, SLOW, Timing, limits, measure, schema
+from tests.support.grpc_client import HOST
+from tests.support.http_client import post
+from tests.support.server_harness import serving
 
 HTTP = HttpConfig(http_port=0)
 

@@ -26,8 +26,8 @@ from loom.model.loader import LoadedModel
 from loom.server.tenants import TenantConfig, Tenants
 from loom.v1 import loom_pb2 as pb
 from loom.v1.loom_grpc import LoomStub
-from tests.grpc_client import HOST, greedy, in_asyncio, token_ids
-from tests.server_harness import serving
+from tests.support.grpc_client import HOST, greedy, in_asyncio, token_ids
+from tests.support.server_harness import serving
 
 GENERATE = "/loom.v1.Loom/Generate"
 KEYS = "key-of-a a\nkey-of-b b weight=2  # b counts double\nkey-of-root ops admin\n"

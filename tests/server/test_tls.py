@@ -38,8 +38,8 @@ from loom.server.openai.config import HttpConfig
 from loom.server.supervisor import Supervisor
 from loom.v1 import loom_pb2 as pb
 from loom.v1.loom_grpc import LoomStub
-from tests.grpc_client import HOST, greedy, in_asyncio, token_ids
-from tests.server_harness import serving
+from tests.support.grpc_client import HOST, greedy, in_asyncio, token_ids
+from tests.support.server_harness import serving
 
 GENERATE = "/loom.v1.Loom/Generate"
 

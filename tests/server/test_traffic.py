@@ -20,11 +20,9 @@ from loom.server.boundary import BoundaryConfig
 from loom.server.caps import ConnectionCaps
 from loom.server.openai.config import HttpConfig
 from loom.v1 import loom_pb2 as pb
-from tests.grpc_client import generate, in_asyncio
-from tests.http_client import HOST, post
-from tests.server.test_http_api import until
-from tests.server.test_http_connection import read_all
-from tests.server_harness import serving
+from tests.support.grpc_client import generate, in_asyncio
+from tests.support.http_client import HOST, post, read_all
+from tests.support.server_harness import serving, until
 
 HTTP = HttpConfig(http_port=0)
 SIM = "sim:step_ms=1,seq_ms=0,token_ms=0"

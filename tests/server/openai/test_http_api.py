@@ -25,37 +25,21 @@ import trio
 
 from loom.client.sse import events
 from loom.core.config import SchedulerConfig
-from loom.engine.engine import Engine
 from loom.model.loader import LoadedModel
 from loom.model.sim import SimRunner, load_sim
 from loom.server.boundary import BoundaryConfig
 from loom.server.openai.config import HttpConfig
 from loom.server.tenants import TenantConfig
-from tests.greedy import reference_tokens
-from tests.grpc_client import in_asyncio
-from tests.http_client import HOST, openai_client, post
+from loom.server.traffic import DrainPhase
 from tests.server.test_disconnects import kill_rounds
 from tests.server.test_tenants import abort
-from tests.server_harness import serving
+from tests.support.greedy import reference_tokens
+from tests.support.grpc_client import in_asyncio
+from tests.support.http_client import HOST, openai_client, post
+from tests.support.server_harness import idle, serving, until, waited
 
 HTTP = HttpConfig(http_port=0)
 CHAT = [{"role": "user", "content": "Name three colours."}]
-
-
-def idle(engine: Engine) -> bool:
-    stats = engine.stats()
-    return (
-        stats.num_running + stats.num_waiting + stats.num_paused == 0
-        and stats.num_free_blocks == stats.num_total_blocks
-    )
-
-
-async def until(condition: Any, seconds: float) -> float:
-    """Poll `condition()` (no event says "idle"); the seconds it took."""
-    start = time.monotonic()
-    while not condition() and time.monotonic() - start < seconds:  # noqa: ASYNC110
-        await trio.sleep(0.01)
-    return time.monotonic() - start
 
 
 async def test_http_the_openai_client_streams_and_gets_whole_chats_and_completions(
@@ -309,13 +293,13 @@ async def test_http_a_full_queue_is_429_with_retry_after_and_a_deadline_408() ->
         with trio.fail_after(60):
             async with trio.open_nursery() as nursery:
                 nursery.start_soon(post, port, "/v1/completions", long)  # runs
-                await until(lambda: server.engine.stats().num_running == 1, 10)
+                await waited(server.engine, lambda: server.engine.stats().num_running == 1)
                 nursery.start_soon(post, port, "/v1/completions", long)  # waits
-                await until(lambda: server.engine.stats().num_waiting == 1, 10)
+                await waited(server.engine, lambda: server.engine.stats().num_waiting == 1)
                 full = await post(port, "/v1/completions", long)
                 late = await post(port, "/v1/completions", long, {"X-Request-Timeout": "x"})
                 nursery.cancel_scope.cancel()
-            await until(lambda: idle(server.engine), 10)
+            await waited(server.engine, lambda: idle(server.engine))
             timed = await post(
                 port, "/v1/completions", {**long, "max_tokens": 1000}, {"X-Request-Timeout": "0.3"}
             )
@@ -344,9 +328,9 @@ async def test_http_a_closed_connection_aborts_its_request_at_once() -> None:
                     b"Content-Type: application/json\r\nContent-Length: %d"
                     b"\r\n\r\n%s" % (len(data), data)
                 )
-                await until(lambda: server.engine.stats().num_running == 1, 10)
+                await waited(server.engine, lambda: server.engine.stats().num_running == 1)
                 sock.close()
-                seconds = await until(lambda: idle(server.engine), 10)
+                seconds = await waited(server.engine, lambda: idle(server.engine))
                 assert seconds < 0.5, (stream, seconds)
             assert "length" not in server.engine.stats().finished
 
@@ -373,9 +357,9 @@ async def test_http_a_stopped_reader_is_paused_then_ended_at_the_stall_timeout()
                 b"Content-Type: application/json\r\nContent-Length: %d"
                 b"\r\n\r\n%s" % (len(body), body)
             )
-            paused = await until(lambda: server.engine.stats().num_paused == 1, 20)
+            paused = await waited(server.engine, lambda: server.engine.stats().num_paused == 1)
             assert server.engine.stats().num_paused == 1, paused
-            ended = await until(lambda: idle(server.engine), 10)
+            ended = await waited(server.engine, lambda: idle(server.engine))
             sock.close()
             finished = server.engine.stats().finished
     assert finished.get("stalled") == 1, finished
@@ -388,7 +372,7 @@ async def test_http_killed_client_processes_leave_nothing_running_2_s_after_the_
         with trio.fail_after(120):
             kill = partial(kill_rounds, kinds=("http",), http_port=server.http_port, rounds=4)
             last_kill = await trio.to_thread.run_sync(kill, port, random.Random(22))
-            await until(lambda: idle(server.engine), 30)
+            await waited(server.engine, lambda: idle(server.engine))
             seconds = time.monotonic() - last_kill
             stats = server.engine.stats()
     print(f"100 HTTP clients killed; idle {seconds:.2f} s after the last kill; {stats.finished}")
@@ -421,9 +405,10 @@ async def test_http_a_drain_finishes_streams_in_flight_and_refuses_new_requests(
                     results.append(await post(port, "/v1/completions", body))
 
                 nursery.start_soon(stream)
-                await until(lambda: server.engine.stats().num_running == 1, 10)
+                await waited(server.engine, lambda: server.engine.stats().num_running == 1)
                 nursery.start_soon(server.drain)
-                await until(lambda: server.drainer.phase.value == "refusing", 10)
+                drain = server.drainer
+                await until(lambda: drain is not None and drain.phase is DrainPhase.REFUSING, 10)
                 with pytest.raises(ConnectionRefusedError):  # the port has closed
                     await post(port, "/v1/completions", body)
                 assert kept.sock is not None
@@ -456,7 +441,7 @@ async def test_http_a_grpc_abort_by_label_ends_the_http_request_of_its_tenant() 
                     )
 
                 nursery.start_soon(whole)
-                await until(lambda: server.engine.stats().num_running == 1, 10)
+                await waited(server.engine, lambda: server.engine.stats().num_running == 1)
                 num_aborted = await in_asyncio(abort, port, ["job-1"])
     assert num_aborted == 1
     status, _, raw = results[0]
@@ -551,13 +536,13 @@ async def test_http_a_head_that_never_ends_and_connections_over_the_cap_are_clos
             slow.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: localhost\r\n")  # and no more
             start = time.monotonic()
             assert await trio.to_thread.run_sync(slow.recv, 1) == b""  # closed by the server
-            waited = time.monotonic() - start
+            took = time.monotonic() - start
             held = [socket.create_connection((HOST, port)) for _ in range(3)]
             over = socket.create_connection((HOST, port))  # the fourth from this address
             reply = await trio.to_thread.run_sync(over.recv, 4096)
             for sock in (slow, over, *held):
                 sock.close()
-    assert 0.3 <= waited <= 5, waited
+    assert 0.3 <= took <= 5, took
     assert reply.startswith(b"HTTP/1.1 503")
     assert b"max_connections_per_peer=3" in reply
 
@@ -612,7 +597,9 @@ async def test_http_refused_headers_leave_the_drain_counts_at_zero(
                 sock.close()
             assert server.io is not None
             counts = server.io.traffic
-            await until(lambda: counts.in_flight.value + counts.arriving.value == 0, 5)
+            with trio.fail_after(5):  # the I/O thread's counts, on their own events
+                await server.io.until_zero(counts.in_flight)
+                await server.io.until_zero(counts.arriving)
             in_flight = (counts.in_flight.value, counts.arriving.value)
     assert long_id[0] == 400
     assert replies[0].startswith(b"HTTP/1.1 400"), replies[0]
@@ -661,7 +648,7 @@ async def test_http_n_choices_refused_in_part_end_every_choice_and_free_its_bloc
     ) as (server, _):
         with trio.fail_after(60):
             status, headers, raw = await post(server.http_port or 0, "/v1/completions", body)
-            seconds = await until(lambda: idle(server.engine), 10)
+            seconds = await waited(server.engine, lambda: idle(server.engine))
             finished = server.engine.stats().finished
     assert status == 429, raw  # 8 choices for 1 slot and 2 places: some refused at once
     assert headers["Retry-After"] == "1"

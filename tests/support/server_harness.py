@@ -3,7 +3,8 @@
 from __future__ import annotations
 
 import threading
-from collections.abc import AsyncIterator
+import time
+from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
 from typing import Any
 
@@ -70,3 +71,29 @@ async def loading(
         finally:
             release.set()
             nursery.cancel_scope.cancel()
+
+
+async def waited(engine: Engine, condition: Callable[[], object]) -> float:
+    """Wait for `condition()` on the engine's own event (`Engine.until`; the test's
+    `fail_after` bounds it): the seconds it took."""
+    start = time.monotonic()
+    await engine.until(condition)
+    return time.monotonic() - start
+
+
+async def until(condition: Callable[[], object], seconds: float) -> float:
+    """Poll `condition()`, for the I/O thread's state (its caps, its budget), which offers no
+    event to wait on from trio: the seconds it took (at most about `seconds`)."""
+    start = time.monotonic()
+    while not condition() and time.monotonic() - start < seconds:  # noqa: ASYNC110
+        await trio.sleep(0.01)
+    return time.monotonic() - start
+
+
+def idle(engine: Engine) -> bool:
+    """Nothing running, waiting or paused, and every block free."""
+    stats = engine.stats()
+    return (
+        stats.num_running + stats.num_waiting + stats.num_paused == 0
+        and stats.num_free_blocks == stats.num_total_blocks
+    )

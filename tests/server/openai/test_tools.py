@@ -21,8 +21,8 @@ import trio
 from loom.model.loader import LoadedModel
 from loom.server.openai.config import HttpConfig
 from loom.server.openai.tools import HermesParser
-from tests.http_client import openai_client, post
-from tests.server_harness import serving
+from tests.support.http_client import openai_client, post
+from tests.support.server_harness import serving
 
 HTTP = HttpConfig(http_port=0)
 WEATHER = {

@@ -22,8 +22,8 @@ from loom.client import frames as raw
 from loom.model.loader import LoadedModel
 from loom.v1 import loom_pb2 as pb
 from loom.v1.loom_grpc import LoomStub
-from tests.grpc_client import HOST, greedy, in_asyncio, token_ids, wait_all_blocks_free
-from tests.server_harness import serving
+from tests.support.grpc_client import HOST, greedy, in_asyncio, token_ids, wait_all_blocks_free
+from tests.support.server_harness import serving
 
 GENERATE = "/loom.v1.Loom/Generate"
 WATCH = "/grpc.health.v1.Health/Watch"

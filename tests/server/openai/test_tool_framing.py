@@ -14,7 +14,7 @@ from loom.server.openai.json_body import render
 from loom.server.openai.requests import chat_ask
 from loom.server.openai.tokens import TokenTexts
 from loom.server.openai.tool_framing import ToolFraming
-from tests.server.test_tools import TOOLS
+from tests.server.openai.test_tools import TOOLS
 
 VALID = '<tool_call>\n{"name": "add", "arguments": {"a": 2, "b": 3}}\n</tool_call>'
 NAMED = {"type": "function", "function": {"name": "add"}}

@@ -28,7 +28,7 @@ from loom.chaos import attacks
 from loom.client import frames as raw
 from loom.server.listener import stop_handshakes
 from loom.v1.loom_grpc import LoomStub
-from tests.grpc_client import HOST, generate, greedy, run_client, token_ids
+from tests.support.grpc_client import HOST, generate, greedy, run_client, token_ids
 
 SIM = ["--model", "sim:step_ms=5,seq_ms=0,token_ms=0"]
 SHORT_TIMEOUTS = ["--preface-timeout", "1", "--header-timeout", "1", "--request-timeout", "2"]

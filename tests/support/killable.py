@@ -2,7 +2,7 @@
 streaming client on demand, in a millisecond rather than a new interpreter's second, so that a
 test can SIGKILL hundreds of real client processes at random points of their streams.
 
-    python -m tests.killable HOST PORT [HTTP_PORT]
+    python -m tests.support.killable HOST PORT [HTTP_PORT]
     stdin: "grpclib MAX_TOKENS", "h2 MAX_TOKENS" or "http MAX_TOKENS", a line each -> stdout:
     the child's pid
 

@@ -1,5 +1,5 @@
 """A client that sends large JSON bodies all but their last bytes, then those together, in a
-process of its own: `python -m tests.hostile_bodies HOST PORT COUNT MIB`. Each body is COUNT
+process of its own: `python -m tests.support.hostile_bodies HOST PORT COUNT MIB`. Each body is COUNT
 connections' `{"prompt": [0, 0, ...]}` of about MIB MiB (numbers: the costliest JSON to read).
 It prints "held" once every body but its last byte is sent, sends the last bytes when a line
 comes on stdin, and prints each response's status line."""

@@ -1,10 +1,9 @@
 """Tenant A of the neighbour test (tests/server/test_neighbours.py), a process of its own:
-`python -m tests.neighbour HOST PORT KEY LONG QUEUED`. It opens LONG streams of 4,000 tokens on
-two connections (32 streams each, the server's cap) and QUEUED short ones on more, reads none
-of them, prints "sent", and waits for a line on stdin; then it reads every stream to its end
-and prints one JSON object: how many ended each way ("ok", or a gRPC status name) and the
-tokens the ok ones received.
-"""
+`python -m tests.support.neighbour HOST PORT KEY LONG QUEUED`. It opens LONG streams of 4,000 tokens
+on two connections (32 streams each, the server's cap) and QUEUED short ones on more, reads none of
+them, prints "sent", and waits for a line on stdin; then it reads every stream to its end and prints
+one JSON object: how many ended each way ("ok", or a gRPC status name) and the tokens the ok ones
+received."""
 
 from __future__ import annotations
 

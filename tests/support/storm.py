@@ -8,7 +8,7 @@ processes are killed with SIGKILL mid-stream. Outcomes are counted as `kind: out
 healthy server every `read` client ends `ok`, none sees INTERNAL or UNKNOWN, and every block is
 free once the storm is over.
 
-    python -m tests.storm --address 127.0.0.1:50051 --clients 1000
+    python -m tests.support.storm --address 127.0.0.1:50051 --clients 1000
 """
 
 from __future__ import annotations

@@ -19,9 +19,8 @@ import trio
 from loom.model.sim import SimRunner, load_sim
 from loom.server.boundary import BoundaryConfig
 from loom.server.openai.config import HttpConfig
-from tests.http_client import HOST, post
-from tests.server.test_http_api import until
-from tests.server_harness import serving
+from tests.support.http_client import HOST, post, read_all
+from tests.support.server_harness import serving, until
 
 HTTP = HttpConfig(http_port=0)
 SIM = "sim:step_ms=1,seq_ms=0,token_ms=0"
@@ -35,18 +34,6 @@ def request(
         b"POST %s HTTP/1.1\r\nHost: %s\r\nContent-Type: application/json\r\n%s"
         b"Content-Length: %d\r\n\r\n%s" % (path, host, extra, len(BODY), BODY)
     )
-
-
-def read_all(sock: socket.socket, seconds: float = 10) -> bytes:
-    """What the server sends until it closes the connection (or `seconds` pass)."""
-    sock.settimeout(seconds)
-    data = b""
-    try:
-        while chunk := sock.recv(65536):
-            data += chunk
-    except (TimeoutError, ConnectionResetError):
-        pass
-    return data
 
 
 def closed_at(sock: socket.socket, seconds: float) -> float | None:

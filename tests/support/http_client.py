@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import http.client
 import json
+import socket
 from typing import Any
 
 import trio
@@ -37,3 +38,15 @@ async def post(
 
 def openai_client(port: int, api_key: str = "none") -> OpenAI:
     return OpenAI(base_url=f"http://{HOST}:{port}/v1", api_key=api_key, max_retries=0, timeout=60)
+
+
+def read_all(sock: socket.socket, seconds: float = 10) -> bytes:
+    """What the server sends until it closes the connection (or `seconds` pass)."""
+    sock.settimeout(seconds)
+    data = b""
+    try:
+        while chunk := sock.recv(65536):
+            data += chunk
+    except (TimeoutError, ConnectionResetError):
+        pass
+    return data
