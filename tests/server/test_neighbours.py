@@ -23,6 +23,7 @@ from pathlib import Path
 from grpclib.client import Channel
 
 from loom.bench.serving import launched_process
+from loom.client.calls import stats_until
 from loom.v1 import loom_pb2 as pb
 from loom.v1.loom_grpc import LoomStub
 from tests.support.grpc_client import HOST, greedy, run_client
@@ -100,22 +101,23 @@ async def server_stats(port: int, key: str) -> pb.ServerStats:
 
 def test_neighbours_inside_a_tenant_unread_streams_on_two_connections_hold_no_third() -> None:
     """No keys: one address is one tenant. A process holds 64 unread 4,000-token streams on two
-    connections (every slot); a reader on a third connection from the same address gets its
-    first token within 1 s and 20x its idle TTFT (the median of three readers): the tenant's
-    connections share its slots (loom/core/fair_share.py, the second level), the reader's
-    request admitted in the next step. Before, it waited for one of the long streams to end
-    (26-28 s). Measured on 2 cores: 19-67 ms against 4-6 ms idle; beside 64 streams that are
-    read, 10-16 ms (the load's own cost; the issue's 3x is not met)."""
+    connections (every slot; its windows of 64 KiB fill, and the streams pause); a reader on a
+    third connection from the same address gets its first token within 3x its idle TTFT and
+    1 s (the median of five readers): the tenant's connections share its slots
+    (loom/core/fair_share.py, the second level). Before, it waited for one of the long streams
+    to end (26-28 s). Measured on 2 cores: 5.1-5.5 ms against 3.5-5.8 ms idle; in the 2 s before
+    the streams pause, while the server decodes all 64 of them and their process takes every
+    message, 16-54 ms (a loaded server: beside 64 streams that are read, 10-16 ms)."""
     with launched_process(["--model", SIM]) as (port, _):
         idle = statistics.median(run_client(ttft_and_tokens, port, "unused")[0] for _ in range(5))
         with tenant_a(port, "unused", 0):
-            held = run_client(server_stats, port, "unused").num_running
-            loaded = [run_client(ttft_and_tokens, port, "unused") for _ in range(3)]
+            paused = run_client(stats_until, HOST, port, lambda s: s.num_paused == NUM_LONG, 60)
+            loaded = [run_client(ttft_and_tokens, port, "unused") for _ in range(5)]
     firsts = [first for first, _ in loaded]
     print(
         f"TTFT: idle {idle * 1000:.1f} ms; beside 64 unread streams of its own address "
-        f"{', '.join(f'{t * 1000:.1f}' for t in firsts)} ms ({held} running)"
+        f"{', '.join(f'{t * 1000:.1f}' for t in firsts)} ms ({paused.num_paused} paused)"
     )
-    assert held == NUM_LONG
+    assert paused.num_paused == NUM_LONG
     assert all(received == 8 for _, received in loaded)
-    assert statistics.median(firsts) <= min(1.0, 20 * idle)
+    assert statistics.median(firsts) <= min(1.0, 3 * idle)

@@ -16,6 +16,7 @@ from typing import Any
 from grpclib import GRPCError
 from grpclib.client import Channel
 
+from loom.client.channel import SMALL_WINDOWS
 from loom.v1 import loom_pb2 as pb
 from loom.v1.loom_grpc import LoomStub
 
@@ -48,7 +49,9 @@ async def main(host: str, port: int, key: str, num_long: int, num_queued: int) -
     read = asyncio.Event()
     sizes = [LONG_TOKENS] * num_long + [SHORT_TOKENS] * num_queued
     num_channels = -(-len(sizes) // STREAMS_PER_CONNECTION)
-    channels = [Channel(host, port) for _ in range(num_channels)]
+    # The smallest windows: a stream it does not read stops at 64 KiB (grpclib's own windows,
+    # 4 MiB, would take a 4,000-token stream whole without the application reading it).
+    channels = [Channel(host, port, config=SMALL_WINDOWS) for _ in range(num_channels)]
     tasks: list[asyncio.Task[Any]] = []
     for i, size in enumerate(sizes):
         stub = LoomStub(channels[i // STREAMS_PER_CONNECTION])
