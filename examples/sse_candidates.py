@@ -56,10 +56,10 @@ def serve_loom(port: int) -> None:
     """Loom's own HTTP/1.1 connection (loom/server/openai/connection.py, on h11), as the HTTP
     front runs it, with every limit at its default."""
     from loom.server.boundary import BoundaryConfig
+    from loom.server.caps import ConnectionCaps
     from loom.server.openai.connection import HttpConnection
     from loom.server.openai.message import HttpRequest, Response
     from loom.server.openai.origin_policy import OriginPolicy
-    from loom.server.traffic import ConnectionCaps
 
     config = BoundaryConfig()
     caps = ConnectionCaps(config)

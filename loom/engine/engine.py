@@ -85,6 +85,7 @@ class Engine:
                 self.state = EngineState.SERVING
             else:  # drained while it loaded
                 core.admission.close()
+            self.observer.state_changed()
             task_status.started()
             await core.run()
         except UnsupportedModelError as exc:  # refused at start: the CLI names it, one line
@@ -169,12 +170,16 @@ class Engine:
             self.state = EngineState.DRAINING
         if self.core is not None:
             self.core.admission.close()
+        self.observer.state_changed()
 
     async def until(self, condition: Callable[[], object]) -> None:
         """Return once `condition()` holds, checked now and after each change of the engine's
-        state (a submission, a turn of the stepping loop, a refusal, an end, an abort): how
-        tests and tools wait on the engine, on an event rather than a poll."""
+        state (a submission, a schedule, a refusal, an end, an abort, serving, draining): how
+        tests and tools wait on the engine, on an event rather than a poll. EngineDeadError
+        once the engine has stopped with the condition false: nothing will change it."""
         while not condition():
+            if self.state is EngineState.STOPPED:
+                raise EngineDeadError(self.stop_reason)
             await self.observer.changed.wait()
 
     def stats(self, tenant: str | None = None) -> EngineStats:

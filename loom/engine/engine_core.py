@@ -94,7 +94,6 @@ class EngineCore:
     async def stepping_loop(self) -> None:
         while True:
             self.wakeup = trio.Event()
-            self.observer.state_changed()
             self.expire(trio.current_time())
             output = self.scheduler.schedule(trio.current_time())
             if output is not None:
@@ -204,7 +203,10 @@ class EngineCore:
         return self.observer.stats(self.scheduler, self.pending(), tenant)
 
     def publish_stats(self, every: float = 0.0) -> None:
-        self.observer.publish(self.scheduler, self.pending(), every)
+        """After each schedule: the state may have changed (`Engine.until`), and the stats for
+        scrapes are published if due (the pending requests counted only then)."""
+        self.observer.state_changed()
+        self.observer.publish(self.scheduler, self.pending, every)
 
     def pending(self) -> Counter[str]:
         """Requests submitted and not yet admitted, by tenant."""

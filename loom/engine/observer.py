@@ -11,8 +11,9 @@ stats a scrape reads, published from the stepping loop.
     ended     a request's stream ends               metrics, ledger, the request log
     cancelled an abort before admission             metrics
 
-Every event but a token, and every turn of the stepping loop, also sets `changed` (then a new
-one): what `Engine.until` waits on, so that nothing that waits on the engine's state polls it.
+Every event but a token, every schedule of the stepping loop, and every change of the engine's
+own state (serving, draining, stopped) also sets `changed` (then a new one): what
+`Engine.until` waits on, so that nothing that waits on the engine's state polls it.
 
 The published stats are one snapshot a scrape reads from another thread: taken again once
 `every` has passed or requests have come or gone (counted in O(1): a step can last long), the
@@ -23,6 +24,7 @@ from __future__ import annotations
 
 import time
 from collections import Counter
+from collections.abc import Callable
 
 import trio
 
@@ -93,12 +95,15 @@ class Observer:
         """The figures now; by tenant, every tenant's or (`tenant`) that one's alone."""
         return EngineStats.of(scheduler, pending, self.ledger.of(scheduler, pending, tenant))
 
-    def publish(self, scheduler: Scheduler, pending: Counter[str], every: float = 0.0) -> None:
+    def publish(
+        self, scheduler: Scheduler, pending_of: Callable[[], Counter[str]], every: float = 0.0
+    ) -> None:
         """Publish the stats for scrapes: now, or, with `every`, once that long has passed or
-        requests have come or gone."""
+        requests have come or gone (then, and only then, the pending ones are counted)."""
         now = time.monotonic()
         shape = (len(scheduler.running), len(scheduler.waiting), len(scheduler.requests))
         if now - self.published_at >= every or shape != self.published_shape:
+            pending = pending_of()
             if not every or now - self.tenants_at >= TENANT_STATS_EVERY:
                 self.tenants = self.ledger.of(scheduler, pending, None)
                 self.tenants_at = now

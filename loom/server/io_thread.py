@@ -154,6 +154,8 @@ class IoThread:
         endpoint = Endpoint(services, config.boundary, refused, self.identify, traffic, self.tls)
         async with contextlib.AsyncExitStack() as stack:
             stack.push_async_callback(traffic.close)
+            if stop.requested:  # cancelled before the loop began: bind nothing
+                return
             port = await endpoint.start(config.host, config.port)
             http_port = None
             if config.http.http_port is not None:

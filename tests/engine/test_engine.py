@@ -422,9 +422,10 @@ async def test_engine_deadline_passing_mid_decode(idle_jump_clock: trio.abc.Cloc
     async with serving(tiny_model("llama"), output_buffer_size=3) as engine:
         with trio.fail_after(60):
             sampling = SamplingParams(temperature=0, max_tokens=400)
-            stream = engine.submit([1, 2], sampling, deadline=trio.current_time() + 1.0)
+            deadline = trio.current_time() + 1.0
+            stream = engine.submit([1, 2], sampling, deadline=deadline)
             await engine.until(lambda: engine.stats().num_paused)
-            await trio.sleep(1.0)
+            await trio.sleep_until(deadline + 0.5)  # (the clock jumps: no time passes else)
             outputs = stream.take()
             assert len(tokens_of(outputs)) == 3  # the deadline passed after 3 tokens
             assert outputs[-1].finish_reason is FinishReason.DEADLINE
@@ -545,6 +546,8 @@ async def test_engine_shutdown_ends_every_live_request_with_an_error() -> None:
     assert_idle(engine)
     with pytest.raises(EngineDeadError, match="the engine stopped"):
         engine.submit([1], GREEDY)
+    with pytest.raises(EngineDeadError, match="the engine stopped"):
+        await engine.until(lambda: engine.stats().num_running)  # nothing will change it now
 
 
 async def test_engine_shutdown_ends_requests_submitted_a_moment_before() -> None:

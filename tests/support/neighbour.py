@@ -1,9 +1,9 @@
 """Tenant A of the neighbour test (tests/server/test_neighbours.py), a process of its own:
-`python -m tests.support.neighbour HOST PORT KEY LONG QUEUED`. It opens LONG streams of 4,000 tokens
-on two connections (32 streams each, the server's cap) and QUEUED short ones on more, reads none of
-them, prints "sent", and waits for a line on stdin; then it reads every stream to its end and prints
-one JSON object: how many ended each way ("ok", or a gRPC status name) and the tokens the ok ones
-received."""
+`python -m tests.support.neighbour HOST PORT KEY LONG QUEUED [small-windows]`. It opens LONG streams
+of 4,000 tokens on two connections (32 streams each, the server's cap) and QUEUED short ones on
+more, reads none of them, prints "sent", and waits for a line on stdin; then it reads every stream
+to its end and prints one JSON object: how many ended each way ("ok", or a gRPC status name) and the
+tokens the ok ones received."""
 
 from __future__ import annotations
 
@@ -45,13 +45,16 @@ async def held(stub: LoomStub, max_tokens: int, key: str, read: asyncio.Event) -
         return exc.status.name, 0
 
 
-async def main(host: str, port: int, key: str, num_long: int, num_queued: int) -> None:
+async def main(
+    host: str, port: int, key: str, num_long: int, num_queued: int, small_windows: bool
+) -> None:
     read = asyncio.Event()
     sizes = [LONG_TOKENS] * num_long + [SHORT_TOKENS] * num_queued
     num_channels = -(-len(sizes) // STREAMS_PER_CONNECTION)
-    # The smallest windows: a stream it does not read stops at 64 KiB (grpclib's own windows,
-    # 4 MiB, would take a 4,000-token stream whole without the application reading it).
-    channels = [Channel(host, port, config=SMALL_WINDOWS) for _ in range(num_channels)]
+    # With `small_windows`, a stream it does not read stops at 64 KiB, and the server pauses it;
+    # grpclib's own windows (4 MiB) take a 4,000-token stream whole, read or not.
+    config = SMALL_WINDOWS if small_windows else None
+    channels = [Channel(host, port, config=config) for _ in range(num_channels)]
     tasks: list[asyncio.Task[Any]] = []
     for i, size in enumerate(sizes):
         stub = LoomStub(channels[i // STREAMS_PER_CONNECTION])
@@ -71,4 +74,5 @@ async def main(host: str, port: int, key: str, num_long: int, num_queued: int) -
 
 if __name__ == "__main__":
     host, port, key, num_long, num_queued = sys.argv[1:6]
-    asyncio.run(main(host, int(port), key, int(num_long), int(num_queued)))
+    small = sys.argv[6:] == ["small-windows"]
+    asyncio.run(main(host, int(port), key, int(num_long), int(num_queued), small))

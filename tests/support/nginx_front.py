@@ -14,7 +14,7 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
 
-CONF = Path(__file__).resolve().parent.parent / "deploy" / "nginx" / "nginx.conf"
+CONF = Path(__file__).resolve().parents[2] / "deploy" / "nginx" / "nginx.conf"
 LISTEN = "listen 8080 http2;"
 
 
