@@ -29,6 +29,7 @@ from grpclib.client import Channel
 
 from loom.bench.metrics import RequestTiming
 from loom.client.channel import Client
+from loom.client.sse import DONE, SseReader
 from loom.v1 import loom_pb2 as pb
 from loom.v1.loom_grpc import LoomStub
 
@@ -181,17 +182,18 @@ class OpenAIFront:
             async with connection.post(url, json=body) as response:
                 if response.status != 200:
                     raise RuntimeError(f"HTTP {response.status}: {(await response.read())[:200]!r}")
-                async for line in response.content:
-                    if not line.startswith(b"data: {"):
-                        continue
+                events = SseReader()
+                async for data in response.content.iter_any():
                     now = time.perf_counter() - start
-                    chunk = json.loads(line[6:])
-                    if "error" in chunk:
-                        raise RuntimeError(f"error event: {chunk['error']}")
-                    token_ids = chunk["choices"][0]["token_ids"] if chunk["choices"] else []
-                    times.extend([now] * len(token_ids))
-                    if received is not None:
-                        received.extend(token_ids)
+                    for chunk in events.feed(data):
+                        if chunk == DONE:
+                            continue
+                        if "error" in chunk:
+                            raise RuntimeError(f"error event: {chunk['error']}")
+                        token_ids = chunk["choices"][0]["token_ids"] if chunk["choices"] else []
+                        times.extend([now] * len(token_ids))
+                        if received is not None:
+                            received.extend(token_ids)
         except Exception as exc:  # a failed request is counted, not fatal to the run
             return RequestTiming.failed(prompt, exc)
         return RequestTiming(ok=True, num_prompt_tokens=len(prompt), token_times=tuple(times))

@@ -21,8 +21,9 @@ from loom.core.tenancy import Tenancy
 from loom.engine.engine import Engine
 from loom.model.loader import LoadedModel
 from tests.conftest import tiny_model
-from tests.engine.test_engine import assert_idle, collect, serving, wait_until
+from tests.engine.test_engine import assert_idle, collect, serving
 from tests.support.compile_timing import QUICK, SLOW, Timing, limits, measure, schema
+from tests.support.server_harness import until
 
 A, B = Tenancy(tenant="a"), Tenancy(tenant="b")
 
@@ -120,7 +121,7 @@ async def test_compiling_too_slow_is_judged_by_its_own_compile_time_and_for_its_
             ended = await all_at_once(engine, [(slow, A), (quick, A)])
             compiler = compiler_of(engine)
             assert list(compiler.too_slow) == [("a", "", slow)]
-            await wait_until(lambda: not compiler.running)  # the slow one ran to its end
+            await until(lambda: not compiler.running)  # the slow one ran to its end
             assert [k[0] for k in compiler.cache] == ["a"]  # the quick one only
             assert await served(engine, slow, A) == too_slow  # at once: no compile begun
             assert compiler.num_begun == 2
@@ -143,10 +144,10 @@ async def test_compiling_a_compile_every_request_left_is_dropped_from_the_queue(
             compiler = compiler_of(engine)
             async with trio.open_nursery() as nursery:
                 nursery.start_soon(served, engine, first, A)
-                await wait_until(lambda: compiler.running)
+                await until(lambda: compiler.running)
                 async with engine.generate([1, 2, 3], params, tenancy=A):
-                    await wait_until(lambda: compiler.queued)
-                await wait_until(lambda: not compiler.queued)  # gone with its only request
+                    await until(lambda: compiler.queued)
+                await until(lambda: not compiler.queued)  # gone with its only request
             assert compiler.num_begun == 1
             assert_idle(engine)
 

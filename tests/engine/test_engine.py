@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import random
 import time
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from typing import Any
 
@@ -62,12 +62,6 @@ async def collect(
         async for output in stream:
             outputs.append(output)
     return outputs
-
-
-async def wait_until(predicate: Callable[[], object]) -> None:
-    """Poll engine state: tests watch counters the engine offers no event for."""
-    while not predicate():  # noqa: ASYNC110
-        await trio.sleep(0.01)
 
 
 def tokens_of(outputs: list[RequestOutput]) -> list[int]:

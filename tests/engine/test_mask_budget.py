@@ -17,7 +17,8 @@ from loom.core.tenancy import Tenancy
 from loom.engine.engine import Engine
 from loom.model.loader import LoadedModel
 from tests.conftest import tiny_model
-from tests.engine.test_engine import assert_idle, collect, serving, wait_until
+from tests.engine.test_engine import assert_idle, collect, serving
+from tests.support.server_harness import until
 
 HEAVY = Constraint(kind=ConstraintKind.REGEX, spec="(.*a.{20}.*b.{20})*z")
 
@@ -88,7 +89,7 @@ async def test_mask_budget_a_constrained_token_costs_its_tenant_its_mask(
                 def tokens(tenant: str) -> int:
                     return engine.stats(tenant).tenants[tenant].num_generated_tokens
 
-                await wait_until(lambda: min(tokens("a"), tokens("b")) >= 40)
+                await until(lambda: min(tokens("a"), tokens("b")) >= 40)
                 per_token = {t: fair.counters[t] / tokens(t) for t in "ab"}
                 nursery.cancel_scope.cancel()
             assert engine.core.scheduler.num_preemptions == 0

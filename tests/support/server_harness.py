@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 import threading
 import time
 from collections.abc import AsyncIterator, Callable
@@ -81,9 +82,10 @@ async def waited(engine: Engine, condition: Callable[[], object]) -> float:
     return time.monotonic() - start
 
 
-async def until(condition: Callable[[], object], seconds: float) -> float:
-    """Poll `condition()`, for the I/O thread's state (its caps, its budget), which offers no
-    event to wait on from trio: the seconds it took (at most about `seconds`)."""
+async def until(condition: Callable[[], object], seconds: float = math.inf) -> float:
+    """Poll `condition()`, for state that offers no event to wait on from trio (the I/O thread's
+    caps and budget, a compiler's queue, what a client has read): the seconds it took (at most
+    about `seconds`; without it, the test's `fail_after` bounds the wait)."""
     start = time.monotonic()
     while not condition() and time.monotonic() - start < seconds:  # noqa: ASYNC110
         await trio.sleep(0.01)
