@@ -68,15 +68,24 @@ up profile="cpu":
 test *args: setup
     {{python}} -m pytest "$@"
 
-# Regenerate the gRPC code in loom/v1/ from proto/ (committed; CI checks it is current)
+# Regenerate the gRPC code (committed; CI checks it is current): loom/v1/ from proto/, and
+# loom/smg/ from the vllm.grpc.engine protos of the pinned smg-grpc-proto (their imports made
+# the package's own)
 proto: setup
     PATH="$PWD/.venv/bin:$PATH" {{python}} -m grpc_tools.protoc -Iproto --python_out=. \
         --pyi_out=. --grpclib_python_out=. proto/loom/v1/loom.proto
+    smg=$({{python}} -c 'import smg_grpc_proto, pathlib; \
+        print(pathlib.Path(smg_grpc_proto.__file__).parent / "proto")'); \
+    rm -f loom/smg/*_pb2.py loom/smg/*_pb2.pyi loom/smg/*_grpc.py; \
+    PATH="$PWD/.venv/bin:$PATH" {{python}} -m grpc_tools.protoc -I"$smg" --python_out=loom/smg \
+        --pyi_out=loom/smg --grpclib_python_out=loom/smg "$smg/vllm_engine.proto" "$smg/common.proto"
+    sed -i -E 's/^import (common_pb2|vllm_engine_pb2)/from loom.smg import \1/' loom/smg/*_pb2.py \
+        loom/smg/*_pb2.pyi loom/smg/*_grpc.py
 
 # Fail if the committed gRPC code differs from what `just proto` makes
 proto-check: proto
-    git diff --exit-code -- loom/v1
-    test -z "$(git status --porcelain -- loom/v1)"
+    git diff --exit-code -- loom/v1 loom/smg
+    test -z "$(git status --porcelain -- loom/v1 loom/smg)"
 
 # Lint the code, its formatting and the Dockerfile
 lint: setup

@@ -123,7 +123,7 @@ def serve(args: argparse.Namespace) -> int:
     model = settings_from(args, ModelConfig)
     engine_config = settings_from(args, EngineConfig)
     if model.model is not None and is_sim(model.model):
-        sim = load_sim(model.model)  # a bad parameter fails here, named
+        sim = load_sim(model.model, model.model_cache)  # a bad parameter fails here, named
         engine = Engine(engine_config, lambda: sim, make_runner=SimRunner)
     else:
         engine = Engine(engine_config, model.load)

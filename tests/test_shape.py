@@ -7,11 +7,12 @@ import ast
 from pathlib import Path
 
 PACKAGE = Path(__file__).parent.parent / "loom"
+GENERATED = {"v1", "smg"}  # the gRPC code `just proto` makes
 ARGUMENT_TABLES = {"add_parser"}
 
 
 def sources() -> list[Path]:
-    return sorted(p for p in PACKAGE.rglob("*.py") if p.parent.name != "v1")
+    return sorted(p for p in PACKAGE.rglob("*.py") if p.parent.name not in GENERATED)
 
 
 def test_shape_no_module_over_300_lines() -> None:

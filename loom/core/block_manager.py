@@ -16,7 +16,8 @@ blocks takes them (`allocate(..., cached=...)`) instead of computing them again.
 that no request holds any more is not free but evictable: it keeps its content until its space
 is needed. Allocation takes blocks that hold nothing first, then evicts cached ones, least
 recently released first; a block some request holds is never evicted. `num_free_blocks` counts
-both kinds: what allocation can hand out.
+both kinds: what allocation can hand out. Each block cached and each cached block evicted is
+an event in `events` (loom/core/kv_events.py), which a gateway can follow.
 
 Sliding windows (`sliding_window`, where every layer of the model slides one): a query at
 position p reads only keys p - window + 1 .. p, so once a request has computed n tokens no later
@@ -40,6 +41,8 @@ from collections.abc import Sequence
 
 import attrs
 
+from loom.core.kv_events import KvEventLog
+
 NULL_BLOCK = 0
 
 
@@ -62,6 +65,7 @@ class BlockManager:
     _tables: dict[str, list[int]] = attrs.field(init=False, factory=dict)
     _block_of: dict[bytes, int] = attrs.field(init=False, factory=dict)  # content hash -> block
     _hash_of: dict[int, bytes] = attrs.field(init=False, factory=dict)  # and back
+    events: KvEventLog = attrs.field(init=False, factory=KvEventLog)
 
     def __attrs_post_init__(self) -> None:
         self._empty = deque(range(1, self.num_blocks))
@@ -155,22 +159,28 @@ class BlockManager:
             return self._empty.popleft()
         block_id = next(iter(self._evictable))  # the least recently released
         del self._evictable[block_id]
-        del self._block_of[self._hash_of.pop(block_id)]
+        block_hash = self._hash_of.pop(block_id)
+        del self._block_of[block_hash]
+        self.events.removed(block_hash)
         return block_id
 
-    def cache(self, request_id: str, first: int, block_hashes: Sequence[bytes]) -> None:
+    def cache(self, request_id: str, first: int, block_hashes: Sequence[bytes]) -> list[int]:
         """The request's blocks `first, first + 1, ...` are full and written, with these content
         hashes: later requests may take them. A hash already cached in another block keeps that
-        block (this one stays private and is freed as usual)."""
+        block (this one stays private and is freed as usual). Which of `block_hashes` (by
+        index) were cached now."""
         if not self.enable_caching:
-            return
+            return []
         table = self._tables[request_id]
-        for block_id, block_hash in zip(table[first:], block_hashes, strict=False):
+        cached = []
+        for i, (block_id, block_hash) in enumerate(zip(table[first:], block_hashes, strict=False)):
             if block_id == NULL_BLOCK:
                 continue
             if block_hash not in self._block_of and block_id not in self._hash_of:
                 self._block_of[block_hash] = block_id
                 self._hash_of[block_id] = block_hash
+                cached.append(i)
+        return cached
 
     def slide(self, request_id: str, num_computed_tokens: int) -> None:
         """With a sliding window: release the request's blocks that hold only keys before any

@@ -30,13 +30,13 @@ class IncrementalDetokenizer:
         self.hold = max((len(s) for s in stop), default=1) - 1
         self.pending = ""  # decoded, not yet emitted: may be the start of a stop string
 
-    def add(self, token_id: int) -> tuple[str, bool]:
-        """Text to emit now, and whether a stop string ended the output."""
+    def add(self, token_id: int) -> tuple[str, str | None]:
+        """Text to emit now, and the stop string that ended the output (None: none did)."""
         self.ids.append(token_id)
         prefix_text = self.decode(self.ids[self.prefix_offset : self.read_offset])
         new_text = self.decode(self.ids[self.prefix_offset :])
         if len(new_text) <= len(prefix_text) or new_text.endswith(INCOMPLETE):
-            return "", False
+            return "", None
         self.pending += new_text[len(prefix_text) :]
         self.prefix_offset, self.read_offset = self.read_offset, len(self.ids)
         return self.release()
@@ -50,16 +50,17 @@ class IncrementalDetokenizer:
         text, self.pending = self.pending[: min(found, default=len(self.pending))], ""
         return text
 
-    def release(self) -> tuple[str, bool]:
-        found = [i for i in (self.pending.find(s) for s in self.stop) if i >= 0]
+    def release(self) -> tuple[str, str | None]:
+        found = [(i, stop) for stop in self.stop if (i := self.pending.find(stop)) >= 0]
         if found:
-            text, self.pending = self.pending[: min(found)], ""
-            return text, True
+            at, stop = min(found)  # the earliest; of two there, the shorter
+            text, self.pending = self.pending[:at], ""
+            return text, stop
         cut = len(self.pending) - self.hold
         if cut <= 0:
-            return "", False
+            return "", None
         text, self.pending = self.pending[:cut], self.pending[cut:]
-        return text, False
+        return text, None
 
     def decode(self, ids: list[int]) -> str:
         return str(self.tokenizer.decode(ids, skip_special_tokens=True))

@@ -34,11 +34,11 @@ class OutputProcessor:
         """The delta for the request's newest token (`last`: a token stop ends the request
         there); its finish reason is `stop_sequence` if a stop string ends it there."""
         token = request.output_token_ids[-1]
-        text, hit_stop = "", False
+        text, stop = "", None
         detokenizer = self.detokenizers.get(request.request_id)
         if detokenizer is not None:
-            text, hit_stop = detokenizer.add(token)
-            if last and not hit_stop:
+            text, stop = detokenizer.add(token)
+            if last and stop is None:
                 text += detokenizer.flush()  # the last token: nothing more will complete it
         scored = request.sampling.prompt_logprobs is not None
         first = scored and len(request.output_token_ids) == 1
@@ -49,7 +49,8 @@ class OutputProcessor:
             logprobs=() if logprobs is None else (logprobs,),
             prompt_token_ids=request.prompt_token_ids if first else (),
             prompt_logprobs=tuple(request.prompt_logprobs) if first else (),
-            finish_reason=FinishReason.STOP_SEQUENCE if hit_stop else None,
+            finish_reason=None if stop is None else FinishReason.STOP_SEQUENCE,
+            stop_reason=stop,
         )
 
     def final(
@@ -61,9 +62,11 @@ class OutputProcessor:
         reason = request.status.finish_reason
         if reason is None:
             raise ValueError(f"request {request.request_id} is not finished")
+        delta = delta or RequestOutput(request_id=request.request_id)
         return attrs.evolve(
-            delta or RequestOutput(request_id=request.request_id),
+            delta,
             finish_reason=reason,
+            stop_reason=delta.stop_reason if delta.stop_reason is not None else stop_token(request),
             error=request.error,
             usage=Usage(
                 prompt_tokens=request.num_prompt_tokens,
@@ -72,6 +75,14 @@ class OutputProcessor:
             ),
             timings=timings(request, now),
         )
+
+
+def stop_token(request: Request) -> int | None:
+    """The stop token id that ended the request, if one of `stop_token_ids` did (the model's
+    EOS is not one: vLLM's `stop_reason`)."""
+    last = request.output_token_ids[-1:]
+    stopped = request.status.finish_reason is FinishReason.STOP
+    return last[0] if stopped and last and last[0] in request.sampling.stop_token_ids else None
 
 
 def timings(request: Request, now: float) -> Timings:

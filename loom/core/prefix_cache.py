@@ -19,6 +19,7 @@ import os
 from array import array
 
 from loom.core.block_manager import BlockManager
+from loom.core.kv_events import StoredBlock
 from loom.core.request import Request
 
 SECRET = os.urandom(32)
@@ -64,4 +65,14 @@ def cache_full_blocks(blocks: BlockManager, request: Request, num_computed_befor
     if not blocks.enable_caching or end == first:
         return
     hashes = block_hashes(request, blocks.block_size, request.num_computed_tokens)
-    blocks.cache(request.request_id, first, hashes[first:end])
+    size = blocks.block_size
+    for i in blocks.cache(request.request_id, first, hashes[first:end]):
+        index = first + i
+        blocks.events.stored(
+            StoredBlock(
+                block_hash=hashes[index],
+                parent_hash=hashes[index - 1] if index else None,
+                token_ids=tuple(request.token_ids(index * size, (index + 1) * size)),
+                tenant=request.tenant,
+            )
+        )

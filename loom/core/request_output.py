@@ -62,6 +62,9 @@ class RequestOutput:
     prompt_token_ids: tuple[int, ...] = ()
     prompt_logprobs: tuple[Logprobs, ...] = ()
     finish_reason: FinishReason | None = None
+    # What stopped it, as vLLM's `stop_reason`: the stop string matched, or the stop token id
+    # (one of `stop_token_ids`, not the model's EOS); None for any other end.
+    stop_reason: str | int | None = None
     error: str | None = None  # why, for ABORTED, STALLED, DEADLINE, ERROR and REFUSED
     usage: Usage | None = None
     timings: Timings | None = None

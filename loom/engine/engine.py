@@ -17,6 +17,7 @@ import trio
 
 from loom.core.config import CacheConfig
 from loom.core.errors import EngineDeadError, EngineOverloadedError, InvalidRequestError
+from loom.core.kv_events import KvEventLog
 from loom.core.prompt import Prompt
 from loom.core.request_output import RequestOutput
 from loom.core.sampling_params import SamplingParams
@@ -189,7 +190,11 @@ class Engine:
     def model_info(self) -> ModelInfo:
         core = self.loaded_core()
         max_model_len = core.admission.prompts.max_model_len
-        return ModelInfo.of(core.model_name, core.runner, max_model_len, self.config)
+        return ModelInfo.of(core.loaded, core.runner, max_model_len, self.config)
+
+    def kv_events(self) -> KvEventLog:
+        """The prefix cache's events (loom/core/kv_events.py), once the model is loaded."""
+        return self.loaded_core().scheduler.block_manager.events
 
     def loaded_core(self) -> EngineCore:
         if self.core is None:

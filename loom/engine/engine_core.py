@@ -61,6 +61,7 @@ class EngineCore:
         self.config = config
         self.runner = runner
         self.observer = observer
+        self.loaded = loaded
         self.model_name = loaded.name
         blocks = BlockManager(
             runner.num_blocks,

@@ -8,6 +8,7 @@ import attrs
 
 from loom.core.scheduler import Scheduler
 from loom.engine.config import EngineConfig
+from loom.model.loader import LoadedModel
 from loom.model.model_runner import ModelRunner
 
 
@@ -142,13 +143,22 @@ class ModelInfo:
     max_waiting_tokens: int
     output_buffer_size: int
     stall_timeout: float
+    # The tokens a client that tokenizes needs (a gateway: loom/server/vllm/), and the
+    # model's architecture ("" for the simulated model).
+    eos_token_ids: tuple[int, ...]
+    bos_token_id: int | None
+    pad_token_id: int | None
+    architecture: str
+    has_tokenizer: bool
 
     @classmethod
     def of(
-        cls, model: str, runner: ModelRunner, max_model_len: int, config: EngineConfig
+        cls, loaded: LoadedModel, runner: ModelRunner, max_model_len: int, config: EngineConfig
     ) -> ModelInfo:
+        tokenizer = loaded.tokenizer
+        architectures = getattr(getattr(loaded.model, "config", None), "architectures", None)
         return cls(
-            model=model,
+            model=loaded.name,
             max_model_len=max_model_len,
             vocab_size=runner.vocab_size,
             dtype=str(runner.dtype).removeprefix("torch."),
@@ -159,4 +169,9 @@ class ModelInfo:
             max_waiting_tokens=config.max_waiting_tokens,
             output_buffer_size=config.output_buffer_size,
             stall_timeout=config.stall_timeout,
+            eos_token_ids=loaded.eos_token_ids,
+            bos_token_id=getattr(tokenizer, "bos_token_id", None),
+            pad_token_id=getattr(tokenizer, "pad_token_id", None),
+            architecture=(architectures or [""])[0],
+            has_tokenizer=tokenizer is not None,
         )

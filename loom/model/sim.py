@@ -3,19 +3,27 @@
 The engine, scheduler, block manager, bridge and server run unchanged; `SimRunner` replaces the
 forward pass and sampling with a sleep (a step costs `step_ms + seq_ms * sequences + token_ms *
 tokens` milliseconds) and a deterministic next token: a function of the sequence's last token
-and its position, as if the model were greedy over fixed logits. There is no tokenizer (prompts
-are token ids), no EOS (requests run to max_tokens or a stop token id), and no KV memory: blocks
-are bookkeeping only. What it is for: thousands of concurrent streams on two cores, for testing
-clients, cancellation, backpressure and the server's own overhead. Never for output quality.
+and its position, as if the model were greedy over fixed logits (a grammar's mask is honoured:
+the first token it allows from that one on; a seeded, sampled request's token is moved by its
+seed). There is no KV memory: blocks are bookkeeping only. Without a tokenizer, prompts are
+token ids and nothing ends a request but max_tokens or a stop token id; `tokenizer=` gives it
+one (its vocabulary, EOS and chat template), so that text, chat and a gateway that tokenizes
+(SMG) work as with a real model: `default` for the default model's (converted once into the
+model cache), or a folder of tokenizer files, or a GGUF file.
+What it is for: thousands of concurrent streams on two cores, for testing clients, gateways,
+cancellation, backpressure and the server's own overhead. Never for output quality.
 
     --model sim
     --model sim:step_ms=10,seq_ms=0.1,token_ms=0.02,vocab=32000,max_len=8192,blocks=65536
+    --model sim:step_ms=2,tokenizer=default
 """
 
 from __future__ import annotations
 
 import time
+from pathlib import Path
 from types import SimpleNamespace
+from typing import Any
 
 import attrs
 import torch
@@ -24,7 +32,13 @@ from loom.core.config import CacheConfig
 from loom.core.request_output import Logprobs, TokenLogprob
 from loom.core.step import ModelRunnerOutput, ScheduledSequence, SchedulerOutput
 from loom.model.kv_cache import KVCacheShape
-from loom.model.loader import LoadedModel
+from loom.model.loader import (
+    LoadedModel,
+    converted_gguf_folder,
+    default_model_path,
+    model_cache_root,
+)
+from loom.model.masks import StepMasks
 from loom.model.model_runner import ModelRunner
 from loom.model.sampler import Masks
 
@@ -58,13 +72,19 @@ def is_sim(model: str | None) -> bool:
     return model is not None and (model == PREFIX or model.startswith(PREFIX + ":"))
 
 
-def load_sim(spec: str) -> LoadedModel:
-    """`sim` or `sim:key=value,...`; an unknown key or a bad value names itself."""
+def load_sim(spec: str, cache_dir: Path | None = None) -> LoadedModel:
+    """`sim` or `sim:key=value,...`; an unknown key or a bad value names itself. A tokenizer's
+    vocabulary is the model's unless `vocab` says otherwise."""
     values: dict[str, float] = {}
+    tokenizer = None
     for item in filter(None, spec.removeprefix(PREFIX).removeprefix(":").split(",")):
         key, _, text = item.partition("=")
+        if key == "tokenizer":
+            tokenizer = sim_tokenizer(text, cache_dir)
+            values.setdefault("vocab", len(tokenizer))
+            continue
         if key not in MINIMUMS:
-            known = ", ".join(MINIMUMS)
+            known = ", ".join([*MINIMUMS, "tokenizer"])
             raise ValueError(f"sim model: unknown parameter {key!r} (known: {known})")
         kind = int if MINIMUMS[key] >= 1 else float
         try:
@@ -73,10 +93,23 @@ def load_sim(spec: str) -> LoadedModel:
             raise ValueError(f"sim model: {key} takes a {kind.__name__}, got {text!r}") from None
         if not values[key] >= MINIMUMS[key]:
             raise ValueError(f"sim model: {key} must be at least {MINIMUMS[key]}, got {text}")
-    model = SimModel(**values)  # type: ignore[arg-type]
+    eos = None if tokenizer is None else tokenizer.eos_token_id
+    model = SimModel(**values, generation_config=SimpleNamespace(eos_token_id=eos))  # type: ignore[arg-type]
     return LoadedModel(
-        name=spec, model=model, tokenizer=None, dtype=torch.float32, device=torch.device("cpu")
+        name=spec, model=model, tokenizer=tokenizer, dtype=torch.float32, device=torch.device("cpu")
     )
+
+
+def sim_tokenizer(where: str, cache_dir: Path | None) -> Any:
+    """The tokenizer `tokenizer=` names: `default`, a folder, or a GGUF file."""
+    from transformers import AutoTokenizer
+
+    path = default_model_path() if where == "default" else Path(where)
+    if path.suffix == ".gguf":
+        path = converted_gguf_folder(path, model_cache_root(cache_dir))
+    if not path.is_dir():
+        raise ValueError(f"sim model: tokenizer={where}: no such folder or GGUF file")
+    return AutoTokenizer.from_pretrained(str(path))
 
 
 class SimRunner(ModelRunner):
@@ -118,17 +151,46 @@ class SimRunner(ModelRunner):
         num_tokens = sum(len(s.token_ids) for s in sequences)
         time.sleep(self.sim.step_seconds(len(sequences), num_tokens))
         sampling = [s for s in sequences if s.sampling is not None]
-        tokens = tuple(self.token(s) for s in sampling)
+        tokens = [self.token(s) for s in sampling]
+        constrained = [i for i, s in enumerate(sampling) if s.sampling and s.sampling.constrained]
+        if constrained:
+            if masks is None:
+                raise ValueError("a step with constrained rows needs their masks")
+            for i, allowed in zip(constrained, allowed_of(masks()), strict=True):
+                tokens[i] = first_allowed(tokens[i], allowed)
         return ModelRunnerOutput(
             request_ids=tuple(s.request_id for s in sampling),
-            token_ids=tokens,
+            token_ids=tuple(tokens),
             logprobs=tuple(
                 logprobs(s, t, self.sim.vocab) for s, t in zip(sampling, tokens, strict=True)
             ),
         )
 
     def token(self, seq: ScheduledSequence) -> int:
-        return self.sim.next_token(seq.token_ids[-1], seq.num_computed_tokens + len(seq.token_ids))
+        """The next token; a sampled request with a seed: that one moved by the seed, so that
+        seeds repeat and differ as a real model's do."""
+        token = self.sim.next_token(seq.token_ids[-1], seq.num_computed_tokens + len(seq.token_ids))
+        params = seq.sampling.params if seq.sampling is not None else None
+        if params is None or params.greedy or params.seed is None:
+            return token
+        return (token + 7919 * (params.seed + 1)) % self.sim.vocab
+
+
+def allowed_of(step: StepMasks) -> list[torch.Tensor]:
+    """Each constrained row's allowed token ids, ascending (from its ids or its bias row)."""
+    rows = iter(step.bias)
+    return [
+        ids if ids is not None else torch.nonzero(next(rows) == 0).flatten() for ids in step.allowed
+    ]
+
+
+def first_allowed(token: int, allowed: torch.Tensor) -> int:
+    """The first of `allowed` (ascending) from `token` on, wrapping round: greedy over the
+    fixed logits, which fall from the preferred token on. None allowed: the token itself."""
+    if len(allowed) == 0:
+        return token
+    later = allowed[allowed >= token]
+    return int(later[0] if len(later) else allowed[0])
 
 
 def logprobs(seq: ScheduledSequence, token: int, vocab: int) -> Logprobs | None:

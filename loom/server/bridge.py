@@ -71,6 +71,11 @@ class TrioBridge:
                 orphan(future.result())
             raise
 
+    def soon(self, fn: Callable[..., object], *args: Any) -> None:
+        """Run `fn(*args)` in the trio thread, not waiting for it (nothing, once it has ended)."""
+        with contextlib.suppress(trio.RunFinishedError):
+            self.trio_token.run_sync_soon(fn, *args)
+
     def waker(self, event: asyncio.Event) -> Callable[[], None]:
         """A thread-safe, coalescing `event.set` for the trio thread to call."""
         pending = False

@@ -47,6 +47,7 @@ from loom.server.openai.front import HttpFront
 from loom.server.tenants import Tenant, Tenants
 from loom.server.tls import server_context
 from loom.server.traffic import DrainPhase, Traffic
+from loom.server.vllm.servicer import VllmServicer
 
 LOWEST_PRIORITY = 19  # nice, for this thread only (Linux: a thread's own priority)
 
@@ -150,7 +151,7 @@ class IoThread:
         )
         health.set(False)
         servicer = LoomServicer(self.engine, TrioBridge(token, loop))
-        services = ServerReflection.extend([servicer, Health({servicer: [health]})])
+        services = self.services(servicer, health)
         endpoint = Endpoint(services, config.boundary, refused, self.identify, traffic, self.tls)
         async with contextlib.AsyncExitStack() as stack:
             stack.push_async_callback(traffic.close)
@@ -177,6 +178,21 @@ class IoThread:
                 metrics_address = metrics.address()
             token.run_sync_soon(hand, Io(loop, traffic, health, port, http_port, metrics_address))
             await stop.wait()
+
+    def services(self, servicer: LoomServicer, health: ServiceStatus) -> list[Any]:
+        """What the gRPC port serves: loom.v1, vllm.grpc.engine (on the same bridge and the
+        same labels' requests, for Abort), health and reflection."""
+        http = self.config.http
+        vllm = VllmServicer(
+            self.engine,
+            servicer.bridge,
+            servicer.live,
+            health,
+            served_model_name=http.served_model_name,
+            max_choices=http.max_choices,
+        )
+        checks: dict[Any, list[ServiceStatus]] = {servicer: [health], vllm: [health]}
+        return list(ServerReflection.extend([servicer, vllm, Health(checks)]))
 
     def identify(self, call: Call) -> Tenant | None:
         """The call's tenant (loom/server/tenants.py); None for a health probe that needs none."""

@@ -23,7 +23,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from typing import Any, Protocol
 
 import attrs
@@ -44,6 +44,17 @@ log = logging.getLogger(__name__)
 Live = dict[tuple[str, str], set[RequestStream]]  # by (tenant, request_id label): for Abort
 
 
+def abort_labels(live: Live, tenant: str, request_ids: Iterable[str]) -> int:
+    """Abort the tenant's requests labelled `request_ids` (never another tenant's; an unknown
+    or finished label is no error): how many were still running."""
+    num_aborted = 0
+    for request_id in set(request_ids):
+        for outputs in live.pop((tenant, request_id), set()):
+            num_aborted += not outputs.closed
+            outputs.abort()
+    return num_aborted
+
+
 @attrs.frozen(kw_only=True)
 class EngineRequest:
     """One engine request a client's request makes."""
@@ -52,6 +63,19 @@ class EngineRequest:
     sampling: SamplingParams
     cache_salt: str = ""
     tenancy: Tenancy
+
+    def choices(self, n: int) -> list[EngineRequest]:
+        """`n` choices of this request. With a seed, choice i samples with seed + i: n
+        different sequences, each reproducible (as vLLM's parallel sampling)."""
+        seed = self.sampling.seed
+        return [
+            self
+            if seed is None or i == 0
+            else attrs.evolve(
+                self, sampling=attrs.evolve(self.sampling, seed=(seed + i) % (1 << 63))
+            )
+            for i in range(n)
+        ]
 
 
 class Sink(Protocol):
@@ -66,7 +90,8 @@ class Sink(Protocol):
 
 
 class Framing(Protocol):
-    """How a front frames the outputs of choice `index`. None: nothing to send yet."""
+    """How a front frames the outputs of choice `index`: a message, a tuple of messages to
+    send in order, or None (nothing to send yet)."""
 
     def delta(self, index: int, batch: Sequence[RequestOutput]) -> Any: ...
     def final(self, index: int, batch: Sequence[RequestOutput], done: bool) -> Any: ...
@@ -167,6 +192,11 @@ class Relay:
         return all(not s.closed or s.finish_reason in NORMAL_FINISHES for s in self.streams)
 
     async def send(self, message: Any) -> None:
+        """Send what the framing made: a message, several in a tuple, or None (nothing)."""
+        for one in message if isinstance(message, tuple) else (message,):
+            await self.send_one(one)
+
+    async def send_one(self, message: Any) -> None:
         """Send one message: at once when the connection takes it whole; else in a task, given
         up on (cancelled, the stream reset) once the request has ended and the client does not
         take it: after `send_timeout` for a normal finish, at once for any other end."""

@@ -25,7 +25,7 @@ from loom.server.boundary import BoundaryConfig
 from loom.server.caps import Seat
 from loom.server.grpc.call import Call
 from loom.server.grpc.connection import Connection
-from loom.server.grpc.frames import GENERATE_PATH, goaway, refusal_preface
+from loom.server.grpc.frames import GENERATE_PATHS, goaway, refusal_preface
 from loom.server.grpc.streams import Dispatch
 from loom.server.listener import Listener
 from loom.server.traffic import DrainPhase, Traffic
@@ -140,7 +140,7 @@ class Endpoint:
         """A call admitted on one of the connections: its handler begins. A Generate call is
         counted as arriving until its handler has handed it to the engine (`Call.arrived`) or
         it ended (loom/server/drain.py waits for them), and in flight until it ends."""
-        if call.path == GENERATE_PATH:
+        if call.path in GENERATE_PATHS:
             arriving, in_flight = self.traffic.arriving, self.traffic.in_flight
             arriving.add(1)
             in_flight.add(1)

@@ -18,7 +18,9 @@ PROXY_WINDOW = 1 << 30  # a peer with this window reads all it is sent (nginx: 2
 DRAIN_PING_DATA = b"draining"
 ALL_STREAMS = (1 << 31) - 1
 GRPC_TYPES = ("application/grpc", "application/grpc+proto")
-GENERATE_PATH = "/loom.v1.Loom/Generate"
+# The calls that generate (loom.v1's and vllm.grpc.engine's): refused in a drain, counted in
+# flight until they end.
+GENERATE_PATHS = frozenset({"/loom.v1.Loom/Generate", "/vllm.grpc.engine.VllmEngine/Generate"})
 
 
 def goaway(error_code: int, last_stream_id: int = ALL_STREAMS, why: str = "") -> bytes:
@@ -84,7 +86,7 @@ def stream_refusal(
     """Why a new stream is answered at once rather than served: (the limit's name for the
     metrics, or "" when no limit is at stake; the response's headers). While draining only
     Generate calls are refused: health still answers (NOT_SERVING)."""
-    if draining and fields.get(":path") == GENERATE_PATH:
+    if draining and fields.get(":path") in GENERATE_PATHS:
         return "draining", trailers(Status.UNAVAILABLE, "the server is draining")
     if num_open >= limit:
         message = (

@@ -20,7 +20,7 @@ from loom.server.bridge import TrioBridge
 from loom.server.grpc import wire
 from loom.server.grpc.call import Call
 from loom.server.grpc.status import ABNORMAL_STATUS, status_errors
-from loom.server.relay import EngineRequest, Live, Relay
+from loom.server.relay import EngineRequest, Live, Relay, abort_labels
 from loom.v1 import loom_pb2 as pb
 from loom.v1.loom_grpc import LoomBase
 
@@ -32,6 +32,35 @@ def call_of(stream: Any) -> Call:
     if not isinstance(stream, Call):
         raise TypeError(f"served by Loom's endpoint only, not with a {type(stream).__name__}")
     return stream
+
+
+async def generate_request(call: Call, engine: Engine) -> Any:
+    """A Generate call's one request message; one refused before the engine saw it (too
+    large, too slow, none) is counted all the same."""
+    try:
+        request = await call.recv_message()
+        if request is None:
+            raise GRPCError(Status.INVALID_ARGUMENT, "no request message")
+    except GRPCError as exc:
+        call.arrived()
+        engine.metrics.refused_by_server(exc.status.name)
+        raise
+    return request
+
+
+async def abort_labelled(stream: Stream[Any, Any], live: Live) -> int:
+    """An Abort call's: abort the caller's requests with the labels it names (never another
+    tenant's; an unknown label is no error), how many were running."""
+    tenant = call_of(stream).tenant
+    request = await stream.recv_message()
+    if request is None:
+        raise GRPCError(Status.INVALID_ARGUMENT, "no request message")
+    if len(request.request_ids) > MAX_ABORT_IDS:
+        raise GRPCError(
+            Status.INVALID_ARGUMENT,
+            f"request_ids: {len(request.request_ids)} ids, more than {MAX_ABORT_IDS}",
+        )
+    return abort_labels(live, tenant.name, request.request_ids)
 
 
 class GrpcFraming:
@@ -62,14 +91,7 @@ class LoomServicer(LoomBase):
 
     async def Generate(self, stream: Stream[pb.GenerateRequest, pb.GenerateResponse]) -> None:
         call = call_of(stream)
-        try:
-            request = await call.recv_message()
-            if request is None:
-                raise GRPCError(Status.INVALID_ARGUMENT, "no request message")
-        except GRPCError as exc:  # refused before the engine saw it: counted all the same
-            call.arrived()
-            self.engine.metrics.refused_by_server(exc.status.name)
-            raise
+        request = await generate_request(call, self.engine)
         with status_errors():
             request_id = wire.request_id_from(request)
             tenant = call.tenant
@@ -102,18 +124,5 @@ class LoomServicer(LoomBase):
         await stream.send_message(wire.stats_message(stats, viewer))
 
     async def Abort(self, stream: Stream[pb.AbortRequest, pb.AbortResponse]) -> None:
-        tenant = call_of(stream).tenant
-        request = await stream.recv_message()
-        if request is None:
-            raise GRPCError(Status.INVALID_ARGUMENT, "no request message")
-        if len(request.request_ids) > MAX_ABORT_IDS:
-            raise GRPCError(
-                Status.INVALID_ARGUMENT,
-                f"request_ids: {len(request.request_ids)} ids, more than {MAX_ABORT_IDS}",
-            )
-        num_aborted = 0
-        for request_id in set(request.request_ids):
-            for outputs in self.live.pop((tenant.name, request_id), set()):
-                num_aborted += not outputs.closed
-                outputs.abort()
+        num_aborted = await abort_labelled(stream, self.live)
         await stream.send_message(pb.AbortResponse(num_aborted=num_aborted))

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import uuid
 from collections.abc import Sequence
+from typing import Any
 
 import attrs
 
@@ -39,8 +40,9 @@ OPTIONAL_SAMPLING_FIELDS = (
 )
 
 
-def request_id_from(request: pb.GenerateRequest) -> str:
-    """The client's label for its request (one the server makes, when empty)."""
+def request_id_from(request: Any) -> str:
+    """The client's label for its request (one the server makes, when empty): loom.v1's
+    GenerateRequest's, or vllm.grpc.engine's."""
     if len(request.request_id) > MAX_REQUEST_ID_CHARS:
         raise InvalidRequestError(
             f"request_id has {len(request.request_id)} characters; "
@@ -78,7 +80,9 @@ def sampling_from(message: pb.SamplingParams) -> SamplingParams:
     )
 
 
-def constraint_from(message: pb.SamplingParams) -> Constraint | None:
+def constraint_from(message: Any) -> Constraint | None:
+    """The `constraint` oneof of loom.v1's SamplingParams, or vllm.grpc.engine's (the same
+    names; its `structural_tag` is refused before)."""
     kind = message.WhichOneof("constraint")
     if kind is None:
         return None

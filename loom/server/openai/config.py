@@ -24,10 +24,14 @@ class HttpConfig:
     )
     http_host: str = setting("127.0.0.1", "address the HTTP API listens on")
     max_choices: int = setting(
-        16, "most sequences one HTTP request may ask for (n times its prompts)", check=at_least(1)
+        16,
+        "most sequences one request may ask for (HTTP: n times its prompts; vllm.grpc.engine: n)",
+        check=at_least(1),
     )
     served_model_name: str | None = setting(
-        None, "the model's name in the HTTP API (default: the loaded model's own)"
+        None,
+        "the model's name in the HTTP API and to a gateway (vllm.grpc.engine's GetModelInfo) "
+        "(default: the loaded model's own)",
     )
     allowed_hosts: tuple[str, ...] | None = setting(
         None,

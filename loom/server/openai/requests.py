@@ -66,20 +66,13 @@ class Ask:
     tools: ToolUse | None = None  # chat's tools and tool_choice (loom/server/openai/tools.py)
 
     def submissions(self, tenancy: Tenancy) -> list[EngineRequest]:
-        """The engine requests, choice `index` = prompt number * n + i. With a seed, choice i
-        of a prompt samples with seed + i: n different sequences, each reproducible."""
-        seed = self.sampling.seed
+        """The engine requests, choice `index` = prompt number * n + i."""
         return [
-            EngineRequest(
-                prompt=prompt,
-                sampling=self.sampling
-                if seed is None or i == 0
-                else attrs.evolve(self.sampling, seed=(seed + i) % (1 << 63)),
-                cache_salt=self.cache_salt,
-                tenancy=tenancy,
-            )
+            choice
             for prompt in self.prompts
-            for i in range(self.n)
+            for choice in EngineRequest(
+                prompt=prompt, sampling=self.sampling, cache_salt=self.cache_salt, tenancy=tenancy
+            ).choices(self.n)
         ]
 
 

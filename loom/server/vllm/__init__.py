@@ -1,0 +1,1 @@
+"""vllm.grpc.engine.VllmEngine, the SMG gateway's worker protocol, on Loom's gRPC port."""

@@ -1,0 +1,195 @@
+"""Conversions between vllm.grpc.engine's messages (loom/smg/, as the SMG gateway sends them)
+and the engine's types, with vLLM's meanings for the fields a proto3 message cannot leave
+unset: `top_p` 0, `top_k` 0 and `repetition_penalty` 0 mean "off", `n` 0 means 1, `temperature`,
+`max_tokens`, `seed` and `logprobs` are taken only when set. What Loom cannot do is refused with
+INVALID_ARGUMENT naming the field, never dropped: images, a prefill/decode handoff, logit bias,
+prompt truncation, structural tags, all logprobs (-1)."""
+
+from __future__ import annotations
+
+import datetime
+import importlib.metadata
+from collections.abc import Sequence
+
+from loom.core.errors import InvalidRequestError
+from loom.core.prompt import Prompt
+from loom.core.request_output import FinishReason, Logprobs, RequestOutput
+from loom.core.sampling_params import SamplingParams
+from loom.engine.stats import EngineStats, ModelInfo
+from loom.server.grpc.wire import constraint_from
+from loom.smg import vllm_engine_pb2 as pb
+
+FINISH_REASONS = {
+    FinishReason.STOP: "stop",
+    FinishReason.STOP_SEQUENCE: "stop",
+    FinishReason.LENGTH: "length",
+}
+SEED_RANGE = 1 << 32  # a negative int32 seed is taken modulo this
+
+
+def prompt_from(request: pb.GenerateRequest) -> Prompt:
+    """Token ids (the gateway tokenized and templated them), or text for Loom to tokenize."""
+    for field in ("mm_inputs", "media_refs", "kv_transfer_params"):
+        if request.HasField(field):
+            raise InvalidRequestError(f"{field} is not supported: a text model, no handoff")
+    if request.extra_mm_inputs:
+        raise InvalidRequestError("extra_mm_inputs is not supported: a text model")
+    if request.HasField("kv_transfer_params_json"):
+        raise InvalidRequestError("kv_transfer_params_json is not supported: no handoff")
+    if request.HasField("data_parallel_rank") and request.data_parallel_rank != 0:
+        raise InvalidRequestError(
+            f"data_parallel_rank must be 0 (one rank), got {request.data_parallel_rank}"
+        )
+    kind = request.WhichOneof("input")
+    if kind == "tokenized":
+        return request.tokenized.input_ids  # not copied: the engine counts them first
+    if kind == "text":
+        return request.text
+    raise InvalidRequestError("input is required: set tokenized or text")
+
+
+def sampling_from(message: pb.SamplingParams) -> SamplingParams:
+    """vLLM's meanings (the module's docstring); validation names the field."""
+    for field in ("logit_bias", "truncate_prompt_tokens", "structural_tag"):
+        given = getattr(message, field) if field == "logit_bias" else message.HasField(field)
+        if given:
+            raise InvalidRequestError(f"{field} is not supported")
+    if message.HasField("logprobs") and message.logprobs < 0:
+        raise InvalidRequestError("logprobs: -1 (every token's) is not supported; ask 0..20")
+    optional = {
+        field: getattr(message, field)
+        for field in ("temperature", "max_tokens", "logprobs", "prompt_logprobs")
+        if message.HasField(field)
+    }
+    return SamplingParams(
+        **optional,
+        top_p=message.top_p or 1.0,
+        top_k=message.top_k,
+        min_p=message.min_p,
+        repetition_penalty=message.repetition_penalty or 1.0,
+        presence_penalty=message.presence_penalty,
+        frequency_penalty=message.frequency_penalty,
+        seed=message.seed % SEED_RANGE if message.HasField("seed") else None,
+        min_tokens=message.min_tokens,
+        stop=tuple(message.stop),
+        stop_token_ids=tuple(message.stop_token_ids),
+        ignore_eos=message.ignore_eos,
+        constraint=constraint_from(message),
+    )
+
+
+def num_choices(message: pb.SamplingParams, max_choices: int) -> int:
+    n = message.n or 1
+    if n > max_choices:
+        raise InvalidRequestError(f"n is {n}; the limit is max_choices={max_choices}")
+    return n
+
+
+def output_logprobs(outputs: Sequence[RequestOutput]) -> pb.OutputLogProbs | None:
+    chosen = [lp for o in outputs for lp in o.logprobs]
+    if not chosen:
+        return None
+    return pb.OutputLogProbs(
+        token_logprobs=[lp.chosen.logprob for lp in chosen],
+        token_ids=[lp.chosen.token_id for lp in chosen],
+        top_logprobs=[top_of(lp) for lp in chosen],
+    )
+
+
+def input_logprobs(outputs: Sequence[RequestOutput]) -> pb.InputLogProbs | None:
+    """The prompt's logprobs, which come with a request's first token: the first prompt token
+    has none."""
+    first = next((o for o in outputs if o.prompt_token_ids), None)
+    if first is None:
+        return None
+    return pb.InputLogProbs(
+        token_logprobs=[
+            pb.InputTokenLogProb(),
+            *(pb.InputTokenLogProb(value=lp.chosen.logprob) for lp in first.prompt_logprobs),
+        ],
+        token_ids=first.prompt_token_ids,
+        top_logprobs=[pb.TopLogProbs(), *(top_of(lp) for lp in first.prompt_logprobs)],
+    )
+
+
+def top_of(logprobs: Logprobs) -> pb.TopLogProbs:
+    return pb.TopLogProbs(
+        values=[t.logprob for t in logprobs.top], token_ids=[t.token_id for t in logprobs.top]
+    )
+
+
+def matched_stop(last: RequestOutput) -> dict[str, int | str]:
+    """GenerateComplete's `matched_stop`: the stop token id or stop string that ended it."""
+    reason = last.stop_reason
+    if reason is None:
+        return {}
+    return {"matched_stop_str": reason} if isinstance(reason, str) else {"matched_token_id": reason}
+
+
+def model_info_message(info: ModelInfo, served_model_name: str | None) -> pb.GetModelInfoResponse:
+    """No tokenizer path: the gateway takes the tokenizer from GetTokenizer, whatever its
+    machine has (a path of this one's would mean nothing there)."""
+    return pb.GetModelInfoResponse(
+        model_path=info.model,
+        is_generation=True,
+        max_context_length=info.max_model_len,
+        vocab_size=info.vocab_size,
+        served_model_name=served_model_name or info.model,
+        model_type=info.architecture,
+        architectures=[info.architecture] if info.architecture else [],
+        eos_token_ids=info.eos_token_ids,
+        pad_token_id=info.pad_token_id or 0,
+        bos_token_id=info.bos_token_id or 0,
+        max_req_input_len=info.max_model_len - 1,  # room for one token out
+    )
+
+
+def server_info_message(
+    info: ModelInfo, stats: EngineStats, uptime: float
+) -> pb.GetServerInfoResponse:
+    return pb.GetServerInfoResponse(
+        active_requests=stats.num_running + stats.num_waiting,
+        uptime_seconds=uptime,
+        server_type="loom",
+        data_parallel_size=1,
+        kv_cache_dtype="auto",
+        block_size=info.block_size,
+        model_dtype=f"torch.{info.dtype}",
+        max_num_seqs=info.max_num_seqs,
+        constrained_decoding_start="first_token",  # no reasoning parser holds a grammar back
+    )
+
+
+def scheduler_load(
+    stats: EngineStats, info: ModelInfo, gen_throughput: float, viewer: str | None
+) -> pb.SchedulerLoad:
+    """The engine's load as vLLM reports it. The prefix cache's hit rate is the caller's own
+    (a tenant's stats show its own cache figures alone, loom/server/grpc/wire.py), every
+    tenant's for an admin (`viewer` None)."""
+    hits, queries = stats.prefix_cache_hits, stats.prefix_cache_queries
+    if viewer is not None:
+        own = stats.tenants[viewer]
+        hits, queries = own.num_cached_tokens, own.num_prompt_tokens
+    used = stats.num_total_blocks - stats.num_free_blocks
+    usage = used / stats.num_total_blocks if stats.num_total_blocks else 0.0
+    return pb.SchedulerLoad(
+        dp_rank=0,
+        num_running_reqs=stats.num_running,
+        num_waiting_reqs=stats.num_waiting,
+        num_total_reqs=stats.num_running + stats.num_waiting,
+        num_used_tokens=used * info.block_size,
+        max_total_num_tokens=stats.num_total_blocks * info.block_size,
+        token_usage=usage,
+        utilization=usage,
+        gen_throughput=gen_throughput,
+        cache_hit_rate=hits / max(queries, 1),
+        max_running_requests=info.max_num_seqs,
+    )
+
+
+def timestamp() -> str:
+    return datetime.datetime.now(datetime.UTC).isoformat()
+
+
+def version() -> str:
+    return f"loom {importlib.metadata.version('loom')}"
