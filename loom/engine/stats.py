@@ -156,7 +156,8 @@ class ModelInfo:
         cls, loaded: LoadedModel, runner: ModelRunner, max_model_len: int, config: EngineConfig
     ) -> ModelInfo:
         tokenizer = loaded.tokenizer
-        architectures = getattr(getattr(loaded.model, "config", None), "architectures", None)
+        hf_config = getattr(loaded.model, "config", None)  # None: the simulated model
+        architecture = "" if hf_config is None else type(loaded.model).__name__
         return cls(
             model=loaded.name,
             max_model_len=max_model_len,
@@ -172,6 +173,6 @@ class ModelInfo:
             eos_token_ids=loaded.eos_token_ids,
             bos_token_id=getattr(tokenizer, "bos_token_id", None),
             pad_token_id=getattr(tokenizer, "pad_token_id", None),
-            architecture=(architectures or [""])[0],
+            architecture=architecture,
             has_tokenizer=tokenizer is not None,
         )

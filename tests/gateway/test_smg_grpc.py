@@ -11,7 +11,9 @@ gateway and one to a replica's own HTTP API for the answer to compare with.
 
 from __future__ import annotations
 
+import time
 from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
 from contextlib import ExitStack
 from typing import Any
 
@@ -19,6 +21,8 @@ import pytest
 from openai import OpenAI
 
 from loom.bench.serving import launched_process
+from loom.client.calls import server_stats
+from tests.support.grpc_client import HOST, run_client
 from tests.support.http_client import openai_client
 from tests.support.smg_front import Gateway, smg_front
 
@@ -164,3 +168,47 @@ def test_smg_parses_a_tool_call_from_loom_output(gateway: Gateway) -> None:
         )
     call = reply.choices[0].message.tool_calls[0]
     assert (call.function.name, call.function.arguments) == ("get_weather", '{"city":"Paris"}')
+
+
+def num_running(replicas: list[tuple[int, int]]) -> int:
+    return sum(run_client(server_stats, HOST, port).num_running for port, _ in replicas)
+
+
+def until_idle(replicas: list[tuple[int, int]], seconds: float) -> float:
+    """Seconds until no replica runs a request (at most `seconds`), polled every 10 ms."""
+    start = time.monotonic()
+    while num_running(replicas) and time.monotonic() - start < seconds:
+        time.sleep(0.01)
+    return time.monotonic() - start
+
+
+def read_then_drop(gateway: Gateway, num_chunks: int) -> None:
+    """A streamed chat of 4,000 tokens (8 s at 2 ms a step) given up after `num_chunks`: its
+    connection closed, as a client that went away."""
+    with through(gateway) as client:
+        stream = client.chat.completions.create(
+            model=MODEL, messages=CHAT, max_tokens=4000, temperature=0, stream=True
+        )
+        for _, _chunk in zip(range(num_chunks), stream, strict=False):
+            pass
+        stream.close()
+
+
+def test_smg_client_that_goes_away_aborts_its_request_in_loom(
+    gateway: Gateway, replicas: list[tuple[int, int]]
+) -> None:
+    read_then_drop(gateway, 3)
+    assert until_idle(replicas, 5) < 1.0
+
+
+def test_smg_fifty_clients_that_go_away_leave_nothing_running(
+    gateway: Gateway, replicas: list[tuple[int, int]]
+) -> None:
+    with ThreadPoolExecutor(10) as pool:
+        list(pool.map(lambda i: read_then_drop(gateway, 1 + i % 4), range(50)))
+    assert until_idle(replicas, 5) < 5
+    for port, _ in replicas:
+        stats = run_client(server_stats, HOST, port)
+        assert (stats.num_running, stats.num_waiting) == (0, 0)
+        assert stats.num_free_blocks == stats.num_total_blocks
+        assert stats.finished["aborted"] > 0

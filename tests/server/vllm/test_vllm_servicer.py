@@ -1,0 +1,349 @@
+"""vllm.grpc.engine.VllmEngine on Loom's gRPC port (loom/server/vllm/servicer.py), from a grpclib
+client generated from the same protos: Generate's framing (streamed chunks then a Complete per
+choice, or one Complete each), the same tokens as loom.v1's Generate, matched stops, refusals
+by name, Abort scoped to the caller's tenant, the model, server and load reports, and the
+tokenizer bundle.
+
+Rules: port 0; the server in this process (a tiny random Llama over SmolLM2's tokenizer);
+clients in worker threads; every test under `fail_after`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+import io
+import zipfile
+from pathlib import Path
+from typing import Any
+
+import pytest
+import trio
+from grpclib import GRPCError, Status
+from grpclib.client import Channel
+from transformers import AutoTokenizer
+
+from loom.client.channel import SMALL_WINDOWS
+from loom.core.config import CacheConfig, SchedulerConfig
+from loom.model.loader import LoadedModel
+from loom.server.tenants import TenantConfig
+from loom.smg import common_pb2 as common
+from loom.smg import vllm_engine_pb2 as pb
+from loom.smg.vllm_engine_grpc import VllmEngineStub
+from loom.v1.loom_grpc import LoomStub
+from tests.support.grpc_client import HOST, greedy, in_asyncio, token_ids
+from tests.support.server_harness import serving
+
+PROMPT = [1, 5, 9, 200, 31, 7]
+
+
+def generate_request(n: int = 1, stream: bool = False, **sampling: Any) -> pb.GenerateRequest:
+    params = pb.SamplingParams(temperature=0, max_tokens=6, n=n, ignore_eos=True, **sampling)
+    return pb.GenerateRequest(
+        request_id="r",
+        tokenized=pb.TokenizedInput(input_ids=PROMPT),
+        sampling_params=params,
+        stream=stream,
+    )
+
+
+async def vllm_generate(port: int, request: pb.GenerateRequest, **metadata: str) -> list[Any]:
+    async with Channel(HOST, port) as channel:
+        return list(await VllmEngineStub(channel).Generate(request, metadata=metadata, timeout=20))
+
+
+async def loom_tokens(port: int) -> list[int]:
+    async with Channel(HOST, port) as channel:
+        return token_ids(list(await LoomStub(channel).Generate(greedy(PROMPT, 6), timeout=20)))
+
+
+async def test_vllm_streams_chunks_then_a_complete_for_each_choice(tiny_chat: LoadedModel) -> None:
+    async with serving(tiny_chat) as (_, port):
+        with trio.fail_after(30):
+            replies = await in_asyncio(vllm_generate, port, generate_request(n=2, stream=True))
+            expected = await in_asyncio(loom_tokens, port)
+    for index in (0, 1):
+        mine = [r for r in replies if getattr(r, r.WhichOneof("response")).index == index]
+        chunks = [r.chunk for r in mine[:-1]]
+        complete = mine[-1].complete
+        assert all(r.WhichOneof("response") == "chunk" for r in mine[:-1])
+        assert [t for c in chunks for t in c.token_ids] == expected
+        assert all(c.completion_tokens == len(c.token_ids) for c in chunks)  # each chunk's own
+        assert list(complete.output_ids) == list(chunks[-1].token_ids)  # the last batch again
+        assert (complete.finish_reason, complete.prompt_tokens) == ("length", len(PROMPT))
+
+
+async def test_vllm_whole_answers_one_complete_per_choice_with_every_token(
+    tiny_chat: LoadedModel,
+) -> None:
+    async with serving(tiny_chat) as (_, port):
+        with trio.fail_after(30):
+            replies = await in_asyncio(vllm_generate, port, generate_request(n=3))
+            expected = await in_asyncio(loom_tokens, port)
+    assert [r.WhichOneof("response") for r in replies] == ["complete"] * 3
+    assert sorted(r.complete.index for r in replies) == [0, 1, 2]
+    for reply in replies:
+        assert list(reply.complete.output_ids) == expected
+        assert reply.complete.completion_tokens == 6
+
+
+async def test_vllm_complete_names_the_stop_token_or_string_that_ended_it(
+    tiny_chat: LoadedModel,
+) -> None:
+    async with serving(tiny_chat) as (_, port):
+        with trio.fail_after(30):
+            first = (await in_asyncio(loom_tokens, port))[2]
+            by_token = await in_asyncio(
+                vllm_generate, port, generate_request(stop_token_ids=[first])
+            )
+            text = tiny_chat.tokenizer.decode(await in_asyncio(loom_tokens, port))
+            stop = text.strip()[-3:]
+            by_string = await in_asyncio(vllm_generate, port, generate_request(stop=[stop]))
+    assert by_token[-1].complete.matched_token_id == first
+    assert list(by_token[-1].complete.output_ids)[-1] == first
+    assert by_token[-1].complete.finish_reason == "stop"
+    assert by_string[-1].complete.finish_reason == "stop"
+    assert by_string[-1].complete.matched_stop_str == stop
+
+
+@pytest.mark.parametrize(
+    ("change", "field"),
+    [
+        (lambda r: r.sampling_params.logit_bias.__setitem__(5, 1.0), "logit_bias"),
+        (lambda r: setattr(r.sampling_params, "structural_tag", "{}"), "structural_tag"),
+        (
+            lambda r: setattr(r.sampling_params, "truncate_prompt_tokens", 4),
+            "truncate_prompt_tokens",
+        ),
+        (lambda r: setattr(r.sampling_params, "logprobs", -1), "logprobs"),
+        (lambda r: setattr(r.sampling_params, "n", 17), "n is 17; the limit is max_choices=16"),
+        (lambda r: setattr(r.sampling_params, "top_p", 1.5), "top_p"),
+        (lambda r: r.mm_inputs.mm_hashes.append("x"), "mm_inputs"),
+        (lambda r: setattr(r, "kv_transfer_params_json", "{}"), "kv_transfer_params_json"),
+        (lambda r: setattr(r, "data_parallel_rank", 1), "data_parallel_rank"),
+        (lambda r: r.ClearField("tokenized"), "input is required"),
+        (lambda r: setattr(r, "request_id", "x" * 1000), "request_id"),
+    ],
+)
+async def test_vllm_refuses_what_it_cannot_do_naming_the_field(
+    tiny_chat: LoadedModel, change: Any, field: str
+) -> None:
+    request = generate_request()
+    change(request)
+    async with serving(tiny_chat) as (_, port):
+        with trio.fail_after(30), pytest.raises(GRPCError) as refused:
+            await in_asyncio(vllm_generate, port, request)
+    assert refused.value.status is Status.INVALID_ARGUMENT
+    assert field in (refused.value.message or "")
+
+
+KEYS = "key-of-a a\nkey-of-b b\nkey-of-root ops admin\n"
+
+
+@pytest.fixture
+def key_file(tmp_path: Path) -> str:
+    path = tmp_path / "keys"
+    path.write_text(KEYS)
+    return str(path)
+
+
+def bearer(key: str) -> dict[str, str]:
+    return {"authorization": f"Bearer {key}"}
+
+
+async def abort_as_b_then_a(port: int) -> tuple[int, Any]:
+    """a's "job" streams, held (unread: the engine pauses it); b aborts "job", which must not
+    touch a's; then a does: the tokens a had read before its own Abort, and how it ended."""
+    request = generate_request(stream=True)
+    request.request_id = "job"
+    request.sampling_params.max_tokens = 400
+    request.sampling_params.logprobs = 20
+    read = 0
+    try:
+        async with (
+            Channel(HOST, port, config=SMALL_WINDOWS) as channel,
+            VllmEngineStub(channel).Generate.open(metadata=bearer("key-of-a")) as stream,
+        ):
+            await stream.send_message(request, end=True)
+            await stream.recv_message()
+            read += 1
+            await abort(port, ["job"], "key-of-b")
+            await asyncio.sleep(0.3)
+            await abort(port, ["job", "unknown"], "key-of-a")
+            async for _ in stream:
+                read += 1
+    except GRPCError as exc:
+        return read, exc.status
+    return read, Status.OK
+
+
+async def abort(port: int, request_ids: list[str], key: str) -> None:
+    async with Channel(HOST, port) as channel:
+        request = pb.AbortRequest(request_ids=request_ids)
+        await VllmEngineStub(channel).Abort(request, metadata=bearer(key))
+
+
+async def test_vllm_abort_reaches_only_the_callers_own_requests(
+    tiny_chat: LoadedModel, key_file: str
+) -> None:
+    async with serving(tiny_chat, tenants=TenantConfig(api_key_file=key_file)) as (_, port):
+        with trio.fail_after(60):
+            read, ended = await in_asyncio(abort_as_b_then_a, port)
+    assert ended is Status.CANCELLED  # a's own Abort; b's left it running
+    assert read > 1
+
+
+async def reports(port: int) -> tuple[Any, Any, Any, Any]:
+    async with Channel(HOST, port) as channel:
+        stub = VllmEngineStub(channel)
+        return (
+            await stub.HealthCheck(pb.HealthCheckRequest()),
+            await stub.GetModelInfo(pb.GetModelInfoRequest()),
+            await stub.GetServerInfo(pb.GetServerInfoRequest()),
+            await stub.GetLoads(pb.GetLoadsRequest()),
+        )
+
+
+async def test_vllm_reports_health_model_server_and_load(tiny_chat: LoadedModel) -> None:
+    async with serving(tiny_chat, scheduler=SchedulerConfig(max_num_seqs=8)) as (_, port):
+        with trio.fail_after(30):
+            health, model, server, loads = await in_asyncio(reports, port)
+    assert (health.healthy, health.message) == (True, "serving")
+    tokenizer = tiny_chat.tokenizer
+    assert model.vocab_size == len(tokenizer)
+    assert list(model.eos_token_ids) == [tokenizer.eos_token_id]
+    assert (model.bos_token_id, model.architectures) == (
+        tokenizer.bos_token_id,
+        ["LlamaForCausalLM"],
+    )
+    assert model.tokenizer_path == ""  # the gateway takes it from GetTokenizer
+    assert (server.max_num_seqs, server.block_size, server.server_type) == (8, 16, "loom")
+    (load,) = loads.loads
+    assert (load.max_running_requests, load.num_running_reqs, load.token_usage) == (8, 0, 0.0)
+    assert load.max_total_num_tokens > 0
+
+
+async def tokenizer_bundle(port: int) -> list[Any]:
+    async with Channel(HOST, port) as channel:
+        return list(await VllmEngineStub(channel).GetTokenizer(common.GetTokenizerRequest()))
+
+
+async def test_vllm_tokenizer_bundle_is_a_zip_a_gateway_builds_the_same_tokenizer_from(
+    tiny_chat: LoadedModel, tmp_path: Path
+) -> None:
+    async with serving(tiny_chat) as (_, port):
+        with trio.fail_after(60):
+            chunks = await in_asyncio(tokenizer_bundle, port)
+            again = await in_asyncio(tokenizer_bundle, port)
+    data = b"".join(c.data for c in chunks)
+    assert [c.sha256 for c in chunks[:-1]] == [""] * (len(chunks) - 1)
+    assert chunks[-1].sha256 == hashlib.sha256(data).hexdigest()
+    assert b"".join(c.data for c in again) == data  # made once
+    with zipfile.ZipFile(io.BytesIO(data)) as archive:
+        names = archive.namelist()
+        archive.extractall(tmp_path)
+    assert "tokenizer.json" in names
+    assert all("/" not in name for name in names)
+    rebuilt = AutoTokenizer.from_pretrained(str(tmp_path))
+    chat = [{"role": "user", "content": "Hello, sea!"}]
+    original = tiny_chat.tokenizer
+    assert rebuilt.apply_chat_template(chat) == original.apply_chat_template(chat)
+
+
+async def kv_batches(port: int, key: str, until: Any, start: int = 0) -> list[Any]:
+    """A's KV event batches until `until(batches)` says enough."""
+    batches: list[Any] = []
+    request = common.SubscribeKvEventsRequest(start_sequence_number=start)
+    async with (
+        Channel(HOST, port) as channel,
+        VllmEngineStub(channel).SubscribeKvEvents.open(metadata=bearer(key)) as stream,
+    ):
+        await stream.send_message(request, end=True)
+        async for batch in stream:
+            batches.append(batch)
+            if until(batches):
+                await stream.cancel()
+                break
+    return batches
+
+
+def events_of(batches: list[Any]) -> list[Any]:
+    return [e for b in batches for e in b.events]
+
+
+def stored_of(batches: list[Any]) -> list[Any]:
+    return [e.stored for e in events_of(batches) if e.WhichOneof("data") == "stored"]
+
+
+async def test_vllm_kv_events_show_a_tenant_its_own_blocks_alone(
+    tiny_chat: LoadedModel, key_file: str
+) -> None:
+    prompt = list(range(100, 140))  # 40 tokens: 2 full blocks of 16, cached once computed
+    request = generate_request()
+    request.tokenized.input_ids[:] = prompt
+    async with serving(tiny_chat, tenants=TenantConfig(api_key_file=key_file)) as (_, port):
+        with trio.fail_after(60):
+            await in_asyncio(vllm_generate, port, request, **bearer("key-of-a"))
+            mine = await in_asyncio(kv_batches, port, "key-of-a", lambda b: len(stored_of(b)) >= 2)
+            theirs = await in_asyncio(kv_batches, port, "key-of-b", lambda b: len(b) >= 2)
+            admin = await in_asyncio(
+                kv_batches, port, "key-of-root", lambda b: len(stored_of(b)) >= 2
+            )
+    assert mine[0].events[0].WhichOneof("data") == "cleared"  # a snapshot first
+    assert (mine[0].sequence_number, mine[0].snapshot.count) == (1, 1)
+    first, second = stored_of(mine)[:2]
+    assert list(first.blocks[0].token_ids) == prompt[:16]
+    assert list(second.blocks[0].token_ids) == prompt[16:32]
+    assert not first.HasField("parent_block_hash")
+    assert second.parent_block_hash == first.blocks[0].block_hash
+    assert first.blocks[0].block_size == 16
+    assert stored_of(theirs) == []  # b sees none of a's blocks
+    assert theirs[-1].load.load_only  # only its heartbeat
+    assert [s.blocks[0].block_hash for s in stored_of(admin)] == [
+        first.blocks[0].block_hash,
+        second.blocks[0].block_hash,
+    ]
+
+
+async def test_vllm_kv_events_follow_blocks_stored_and_evicted_live(
+    tiny_chat: LoadedModel, key_file: str
+) -> None:
+    """With 4 blocks to hand out, a second 40-token prompt evicts a block the first cached."""
+    requests = []
+    for first_token in (100, 300):
+        request = generate_request()
+        request.tokenized.input_ids[:] = list(range(first_token, first_token + 40))
+        requests.append(request)
+
+    async def subscribe_then_generate(port: int) -> list[Any]:
+        subscription = asyncio.ensure_future(
+            kv_batches(
+                port,
+                "key-of-a",
+                lambda b: any(e.WhichOneof("data") == "removed" for e in events_of(b)),
+            )
+        )
+        await asyncio.sleep(0.3)
+        for request in requests:
+            await vllm_generate(port, request, **bearer("key-of-a"))
+        return await asyncio.wait_for(subscription, 20)
+
+    config = {"cache": CacheConfig(num_blocks=5)}
+    async with serving(tiny_chat, tenants=TenantConfig(api_key_file=key_file), **config) as (
+        _,
+        port,
+    ):
+        with trio.fail_after(60):
+            batches = await in_asyncio(subscribe_then_generate, port)
+    stored = {s.blocks[0].block_hash for s in stored_of(batches)}
+    removed = [
+        h
+        for e in events_of(batches)
+        if e.WhichOneof("data") == "removed"
+        for h in e.removed.block_hashes
+    ]
+    assert removed
+    assert set(removed) <= stored  # only blocks it was told of
+    assert [b.sequence_number for b in batches if not b.load.load_only] == list(
+        range(1, 1 + sum(not b.load.load_only for b in batches))
+    )
