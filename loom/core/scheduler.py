@@ -98,8 +98,13 @@ class Scheduler:
         """Queued requests that are not paused: what the waiting-queue limits bound."""
         return sum(not r.paused for r in self.waiting)
 
-    def num_waiting_tokens(self) -> int:
-        return sum(r.num_prompt_tokens for r in self.waiting if not r.paused)
+    def num_waiting_tokens(self, tenant: str | None = None) -> int:
+        """Prompt tokens of the queued requests that are not paused (`tenant`'s alone)."""
+        return sum(
+            r.num_prompt_tokens
+            for r in self.waiting
+            if not r.paused and (tenant is None or r.tenant == tenant)
+        )
 
     def schedule(self, now: float) -> SchedulerOutput | None:
         budget = self.config.max_num_batched_tokens

@@ -93,7 +93,8 @@ class Observer:
         self, scheduler: Scheduler, pending: Counter[str], tenant: str | None = None
     ) -> EngineStats:
         """The figures now; by tenant, every tenant's or (`tenant`) that one's alone."""
-        return EngineStats.of(scheduler, pending, self.ledger.of(scheduler, pending, tenant))
+        tenants = self.ledger.of(scheduler, pending, tenant)
+        return EngineStats.of(scheduler, pending, tenants, viewer=tenant)
 
     def publish(
         self, scheduler: Scheduler, pending_of: Callable[[], Counter[str]], every: float = 0.0

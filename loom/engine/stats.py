@@ -104,6 +104,9 @@ class EngineStats:
     prefix_cache_queries: int  # tokens of the requests admitted, all time
     prefix_cache_hits: int  # of those, found in the prefix cache
     tenants: dict[str, TenantStats]
+    # Prompt tokens of the queued requests (not paused): the viewer's own, as its prompt
+    # lengths are (every tenant's, for an admin).
+    num_waiting_tokens: int
 
     @classmethod
     def of(
@@ -111,6 +114,7 @@ class EngineStats:
         scheduler: Scheduler,
         pending: Counter[str],
         tenants: dict[str, TenantStats],
+        viewer: str | None = None,
     ) -> EngineStats:
         return cls(
             num_running=scheduler.num_active(),
@@ -127,6 +131,7 @@ class EngineStats:
             prefix_cache_queries=scheduler.prefix_cache_queries,
             prefix_cache_hits=scheduler.prefix_cache_hits,
             tenants=tenants,
+            num_waiting_tokens=scheduler.num_waiting_tokens(viewer),
         )
 
 

@@ -5,6 +5,7 @@ with SIGTERM, then SIGKILL. Its log is a file, read by `Gateway.log()`."""
 from __future__ import annotations
 
 import json
+import re
 import subprocess
 import sys
 import tempfile
@@ -33,7 +34,8 @@ class Gateway:
         return f"http://{HOST}:{self.port}"
 
     def log(self) -> str:
-        return self.log_path.read_text(errors="replace")
+        """Its log so far, without its colours."""
+        return re.sub(r"\x1b\[[0-9;]*m", "", self.log_path.read_text(errors="replace"))
 
     def get(self, path: str) -> Any:
         with urllib.request.urlopen(self.url + path, timeout=10) as response:

@@ -109,6 +109,7 @@ class KvFeed:
         record = common.EngineLoad(
             running_requests=load.num_running_reqs,
             waiting_requests=load.num_waiting_reqs,
+            waiting_uncached_tokens=load.num_waiting_uncached_tokens,
             token_usage=load.token_usage,
             gen_throughput=load.gen_throughput,
             max_running_requests=load.max_running_requests,

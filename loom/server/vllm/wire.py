@@ -184,6 +184,9 @@ def scheduler_load(
         gen_throughput=gen_throughput,
         cache_hit_rate=hits / max(queries, 1),
         max_running_requests=info.max_num_seqs,
+        # An upper bound: whether a queued prompt's start is cached is known once it is
+        # scheduled.
+        num_waiting_uncached_tokens=stats.num_waiting_tokens,
     )
 
 
