@@ -212,3 +212,30 @@ def test_smg_fifty_clients_that_go_away_leave_nothing_running(
         assert (stats.num_running, stats.num_waiting) == (0, 0)
         assert stats.num_free_blocks == stats.num_total_blocks
         assert stats.finished["aborted"] > 0
+
+
+@pytest.fixture(scope="module")
+def http_gateway(replicas: list[tuple[int, int]]) -> Iterator[Gateway]:
+    """SMG in its HTTP mode: OpenAI's API passed through to each replica's HTTP port, its
+    loads polled every second."""
+    urls = [f"http://127.0.0.1:{http_port}" for _, http_port in replicas]
+    with smg_front(urls, "--policy", "least_load", "--load-monitor-interval", "1") as front:
+        yield front
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_smg_http_mode_answers_as_loom_does(
+    http_gateway: Gateway, replicas: list[tuple[int, int]], stream: bool
+) -> None:
+    with through(http_gateway) as client, direct(replicas) as loom:
+        assert chat_text(client, stream) == chat_text(loom, stream)
+
+
+def test_smg_http_mode_reads_loom_loads(http_gateway: Gateway) -> None:
+    time.sleep(2.5)  # two polls at least
+    for worker in http_gateway.workers():
+        (load,) = worker["engine_load"]["loads"]
+        assert load["max_running_requests"] == 64  # only Loom's /v1/loads says so
+    log = http_gateway.log()
+    assert " 404" not in log
+    assert "status=404" not in log

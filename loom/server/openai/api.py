@@ -5,6 +5,7 @@ gRPC front serves, through the same relay, tenants and limits.
     GET  /v1/models            GET  /v1/models/{id}
     POST /tokenize             POST /detokenize
     GET  /health               GET  /version
+    GET  /v1/loads             GET  /metrics          (for a gateway: loom/server/openai/loads.py)
 
 Headers: `Authorization: Bearer KEY` (with --api-key-file), `X-Request-Id` and
 `X-Request-Timeout` (loom/server/openai/exchange.py).
@@ -27,6 +28,7 @@ from loom.server.bridge import TrioBridge
 from loom.server.openai.config import HttpConfig
 from loom.server.openai.errors import HttpError, StreamEndedError, http_errors, invalid
 from loom.server.openai.exchange import Exchange, reply_error
+from loom.server.openai.loads import PROMETHEUS_TEXT, LoadReports
 from loom.server.openai.message import HttpRequest
 from loom.server.openai.requests import chat_ask, chat_message, completion_ask, int_list
 from loom.server.openai.responses import OpenAIFraming
@@ -62,7 +64,10 @@ class OpenAIApi:
             ("POST", "/detokenize"): self.detokenize,
             ("GET", "/health"): self.health,
             ("GET", "/version"): self.version,
+            ("GET", "/v1/loads"): self.loads,
+            ("GET", "/metrics"): self.metrics,
         }
+        self.reports = LoadReports(engine, bridge)
 
     async def __call__(self, request: HttpRequest, exchange: Exchange) -> None:
         """The front's handler (loom/server/openai/front.py): `exchange` is the request's."""
@@ -207,6 +212,21 @@ class OpenAIApi:
         if self.engine.state is not EngineState.SERVING:
             raise HttpError(503, self.engine.refusal(), code="unavailable")
         await exchange.response.reply(200)
+
+    async def loads(self, request: HttpRequest, exchange: Exchange) -> None:
+        with http_errors():
+            body = await self.reports.loads(self.viewer(request))
+        await exchange.response.reply(200, body)
+
+    async def metrics(self, request: HttpRequest, exchange: Exchange) -> None:
+        with http_errors():
+            body = await self.reports.metrics(self.viewer(request), self.model_name())
+        await exchange.response.reply(200, body, {"Content-Type": PROMETHEUS_TEXT})
+
+    def viewer(self, request: HttpRequest) -> str | None:
+        """Whose figures the caller may see: its own, or (None) everyone's, for an admin."""
+        tenant = self.identify(request)
+        return None if tenant.admin else tenant.name
 
     async def version(self, request: HttpRequest, exchange: Exchange) -> None:
         with http_errors():

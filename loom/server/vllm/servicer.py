@@ -30,11 +30,11 @@ from loom.server.bridge import TrioBridge
 from loom.server.grpc.servicer import abort_labelled, call_of, generate_request
 from loom.server.grpc.status import status_errors
 from loom.server.grpc.wire import request_id_from
+from loom.server.load import Load, Throughput, timestamp, version
 from loom.server.relay import EngineRequest, Live, Relay
 from loom.server.vllm import wire
 from loom.server.vllm.framing import VllmFraming
 from loom.server.vllm.kv_feed import KvFeed
-from loom.server.vllm.throughput import Throughput
 from loom.server.vllm.tokenizer_bundle import TokenizerBundle
 from loom.smg import common_pb2 as common
 from loom.smg import vllm_engine_pb2 as pb
@@ -124,7 +124,7 @@ class VllmServicer(VllmEngineBase):
         with status_errors():
             load = await self.load(None if tenant.admin else tenant.name)
         reply = pb.GetLoadsResponse(
-            timestamp=wire.timestamp(), version=wire.version(), dp_rank_count=1, loads=[load]
+            timestamp=timestamp(), version=version(), dp_rank_count=1, loads=[load]
         )
         await stream.send_message(reply)
 
@@ -176,7 +176,7 @@ class VllmServicer(VllmEngineBase):
         info = await self.bridge.call(self.engine.model_info)
         stats = await self.bridge.call(self.engine.stats, viewer)
         rate = self.throughput.rate(stats.num_generated_tokens)
-        return wire.scheduler_load(stats, info, rate, viewer)
+        return wire.scheduler_load(Load.of(stats, info, rate, viewer))
 
     async def Embed(self, stream: Stream[pb.EmbedRequest, pb.EmbedResponse]) -> None:
         raise GRPCError(Status.UNIMPLEMENTED, UNIMPLEMENTED)

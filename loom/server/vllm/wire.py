@@ -7,9 +7,9 @@ prompt truncation, structural tags, all logprobs (-1)."""
 
 from __future__ import annotations
 
-import datetime
-import importlib.metadata
 from collections.abc import Sequence
+
+import attrs
 
 from loom.core.errors import InvalidRequestError
 from loom.core.prompt import Prompt
@@ -17,6 +17,7 @@ from loom.core.request_output import FinishReason, Logprobs, RequestOutput
 from loom.core.sampling_params import SamplingParams
 from loom.engine.stats import EngineStats, ModelInfo
 from loom.server.grpc.wire import constraint_from
+from loom.server.load import Load
 from loom.smg import vllm_engine_pb2 as pb
 
 FINISH_REASONS = {
@@ -160,39 +161,5 @@ def server_info_message(
     )
 
 
-def scheduler_load(
-    stats: EngineStats, info: ModelInfo, gen_throughput: float, viewer: str | None
-) -> pb.SchedulerLoad:
-    """The engine's load as vLLM reports it. The prefix cache's hit rate is the caller's own
-    (a tenant's stats show its own cache figures alone, loom/server/grpc/wire.py), every
-    tenant's for an admin (`viewer` None)."""
-    hits, queries = stats.prefix_cache_hits, stats.prefix_cache_queries
-    if viewer is not None:
-        own = stats.tenants[viewer]
-        hits, queries = own.num_cached_tokens, own.num_prompt_tokens
-    used = stats.num_total_blocks - stats.num_free_blocks
-    usage = used / stats.num_total_blocks if stats.num_total_blocks else 0.0
-    return pb.SchedulerLoad(
-        dp_rank=0,
-        num_running_reqs=stats.num_running,
-        num_waiting_reqs=stats.num_waiting,
-        num_total_reqs=stats.num_running + stats.num_waiting,
-        num_used_tokens=used * info.block_size,
-        max_total_num_tokens=stats.num_total_blocks * info.block_size,
-        token_usage=usage,
-        utilization=usage,
-        gen_throughput=gen_throughput,
-        cache_hit_rate=hits / max(queries, 1),
-        max_running_requests=info.max_num_seqs,
-        # An upper bound: whether a queued prompt's start is cached is known once it is
-        # scheduled.
-        num_waiting_uncached_tokens=stats.num_waiting_tokens,
-    )
-
-
-def timestamp() -> str:
-    return datetime.datetime.now(datetime.UTC).isoformat()
-
-
-def version() -> str:
-    return f"loom {importlib.metadata.version('loom')}"
+def scheduler_load(load: Load) -> pb.SchedulerLoad:
+    return pb.SchedulerLoad(dp_rank=0, **attrs.asdict(load))
