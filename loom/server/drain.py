@@ -4,9 +4,10 @@ deadline (`drain_timeout` after the signal).
     t = 0           ANNOUNCED  health NOT_SERVING; the port closes (handshakes stopped, its
                                listen backlog taken, then closed); idle connections are sent
                                a PING and a GOAWAY that lets every stream through, in one
-                               write; a proxy's busy connection gets that GOAWAY right
-                               after its last stream. Calls still arriving are served:
-                               their clients sent them before they heard.
+                               write, and so are a gateway's (SMG's), busy or not; a proxy's
+                               busy connection gets that GOAWAY right after its last
+                               stream. Calls still arriving are served: their clients sent
+                               them before they heard.
     t = 0.25..5 s   REFUSING   once every connection told has heard (answered the PING, or
                                closed), and `GRACE` has passed: new streams are refused
                                UNAVAILABLE, idle connections sent GOAWAY and closed.
@@ -28,7 +29,10 @@ protocol error, hence before (a peer that reads the two apart and opens a stream
 may see it refused); h2 also drops its answer when a GOAWAY follows, but grpclib's client then
 closes the connection: heard too. grpclib's client drops the messages it has not read when a
 GOAWAY comes, so only a proxy's busy connection (a window of 2^30 or more: nginx's is 2^31-1)
-is told while busy; the others are left to close when their clients are done.
+is told while busy; the others are left to close when their clients are done. A gateway
+that speaks the vLLM engine protocol (SMG, over hyper) keeps one connection busy with many
+streams; its client runs them on after a GOAWAY and opens a new connection for new calls, which
+the closed port refuses: it sends them to another replica.
 
 Each phase's meaning for a connection is in the fronts (`Endpoint.enter`, with
 `Connection.announce_drain` and `Connection.refuse_new_calls`; `HttpFront.enter`); its

@@ -13,6 +13,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import random
+import signal
 import threading
 import time
 from collections.abc import Iterator
@@ -158,3 +159,35 @@ def test_smg_sends_new_requests_away_from_a_replica_loom_reports_busy(
     print(f"{policy}: served by the busy replica {counts[0]}, by the idle one {counts[1]}")
     assert sum(counts) == 20
     assert counts[1] >= 0.8 * 20
+
+
+def test_smg_drained_replica_finishes_its_streams_while_smg_sends_new_ones_elsewhere() -> None:
+    args = [*SIM, "--drain-timeout", "20"]
+    with ExitStack() as stack:
+        launched = [stack.enter_context(launched_process(args, ports={})) for _ in range(2)]
+        replicas = [port for port, _ in launched]
+        gateway = stack.enter_context(smg_front(grpc_urls(replicas), "--policy", "round_robin"))
+        client = stack.enter_context(
+            OpenAI(base_url=f"{gateway.url}/v1", api_key="none", max_retries=0, timeout=60)
+        )
+        stream = client.completions.create(
+            model=MODEL,
+            prompt="A long story:",
+            max_tokens=1500,  # 3 s at 2 ms a step
+            temperature=0,
+            stream=True,
+            stream_options={"include_usage": True},
+            extra_body={"ignore_eos": True},
+        )
+        chunks = [next(iter(stream))]
+        draining = next(i for i, port in enumerate(replicas) if stats(port).num_running)
+        other = replicas[1 - draining]
+        launched[draining][1].send_signal(signal.SIGTERM)
+        before = served(other)
+        send_all(gateway.url, [f"Question {i}: why?" for i in range(10)])
+        assert served(other) - before == 10
+        chunks += list(stream)
+        reasons = [c.choices[0].finish_reason for c in chunks if c.choices]
+        assert reasons[-1] == "length"
+        assert chunks[-1].usage.completion_tokens == 1500
+        assert launched[draining][1].wait(timeout=30) == 0

@@ -48,6 +48,7 @@ from loom.server.caps import Seat
 from loom.server.grpc.call import Peer
 from loom.server.grpc.frames import (
     DRAIN_PING_DATA,
+    GATEWAY_SERVICE,
     PROXY_WINDOW,
     drain_ping,
     goaway,
@@ -265,11 +266,12 @@ class Connection(asyncio.Protocol):
     # The drain (loom/server/drain.py)
 
     def announce_drain(self) -> None:
-        """Go away: an idle connection is told now (a PING, then a GOAWAY that lets every
-        stream through, in one write), a busy one after its last stream if it is a proxy."""
+        """Go away: an idle or a gateway's connection is told now (a PING, then a GOAWAY that
+        lets every stream through, in one write), a busy one after its last stream if a proxy."""
         if self.phase is not Phase.OPEN:
             return
-        if self.streams.calls:
+        gateway = any(c.path.startswith(GATEWAY_SERVICE) for c in self.streams.calls.values())
+        if self.streams.calls and not gateway:
             self.at_last_stream = self.at_last_stream or self.tell_a_proxy
             return
         self.out.write_frames(drain_ping() + goaway(ErrorCodes.NO_ERROR))

@@ -21,6 +21,9 @@ GRPC_TYPES = ("application/grpc", "application/grpc+proto")
 # The calls that generate (loom.v1's and vllm.grpc.engine's): refused in a drain, counted in
 # flight until they end.
 GENERATE_PATHS = frozenset({"/loom.v1.Loom/Generate", "/vllm.grpc.engine.VllmEngine/Generate"})
+# A gateway's calls (SMG's): its client (hyper) runs its open streams on after a GOAWAY and
+# opens a new connection for new ones, so a drain tells it at once, busy or not.
+GATEWAY_SERVICE = "/vllm.grpc.engine.VllmEngine/"
 
 
 def goaway(error_code: int, last_stream_id: int = ALL_STREAMS, why: str = "") -> bytes:
