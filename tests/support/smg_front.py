@@ -28,6 +28,7 @@ READY_SECONDS = 60
 class Gateway:
     port: int
     log_path: Path
+    api_key: str | None = None  # its own, which its control plane asks for too
 
     @property
     def url(self) -> str:
@@ -38,7 +39,10 @@ class Gateway:
         return re.sub(r"\x1b\[[0-9;]*m", "", self.log_path.read_text(errors="replace"))
 
     def get(self, path: str) -> Any:
-        with urllib.request.urlopen(self.url + path, timeout=10) as response:
+        request = urllib.request.Request(self.url + path)
+        if self.api_key is not None:
+            request.add_header("Authorization", f"Bearer {self.api_key}")
+        with urllib.request.urlopen(request, timeout=10) as response:
             return json.loads(response.read())
 
     def workers(self) -> list[Any]:
@@ -46,9 +50,10 @@ class Gateway:
 
 
 @contextmanager
-def smg_front(worker_urls: list[str], *args: str) -> Iterator[Gateway]:
+def smg_front(worker_urls: list[str], *args: str, api_key: str | None = None) -> Iterator[Gateway]:
     """`smg launch` routing to `worker_urls` (grpc://HOST:PORT or http://HOST:PORT), with
-    `args` (its policy, say): the gateway, once it has registered them all."""
+    `args` (its policy, say) and its own `api_key`: the gateway, once it has registered them
+    all."""
     port = free_port()
     log_path = Path(tempfile.mkdtemp(prefix="loom-smg-")) / "smg.log"
     command = [
@@ -56,11 +61,12 @@ def smg_front(worker_urls: list[str], *args: str) -> Iterator[Gateway]:
         *("--prometheus-host", HOST, "--prometheus-port", str(free_port())),
         *("--shutdown-grace-period-secs", "1", "--log-level", "debug"),
         *("--worker-urls", *worker_urls),
+        *(("--api-key", api_key) if api_key else ()),
         *args,
     ]
     with log_path.open("w") as log:
         process = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT)
-    gateway = Gateway(port, log_path)
+    gateway = Gateway(port, log_path, api_key)
     try:
         grpc = worker_urls[0].startswith("grpc://")
         wait_ready(gateway, process, len(worker_urls), grpc)
