@@ -91,7 +91,7 @@ proto-check: proto
 lint: setup
     .venv/bin/ruff check .
     .venv/bin/ruff format --check .
-    .venv/bin/hadolint Dockerfile
+    .venv/bin/hadolint Dockerfile deploy/smg/Dockerfile
 
 # Type-check the package strictly
 typecheck: setup

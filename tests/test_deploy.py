@@ -83,7 +83,7 @@ def test_deploy_compose_replicas_sit_behind_nginx(compose: dict[str, Any]) -> No
     front = services["front"]
     assert len(replicas) >= 2
     for replica in replicas.values():
-        assert replica["profiles"] == ["replicas"]
+        assert replica["profiles"] == ["replicas", "gateway"]
         assert "ports" not in replica  # reached through nginx
         drain = float(replica["command"][replica["command"].index("--drain-timeout") + 1])
         assert seconds(replica["stop_grace_period"]) > drain
@@ -98,6 +98,26 @@ def test_deploy_compose_replicas_sit_behind_nginx(compose: dict[str, Any]) -> No
     assert servers == sorted(replicas)  # one line each: consistent hashing needs them apart
     assert front["ports"] == ["50051:8080"]
     assert "listen 8080 http2;" in (ROOT / "deploy" / "nginx" / "nginx.conf").read_text()
+
+
+def test_deploy_compose_gateway_takes_every_replica_as_a_grpc_worker(
+    compose: dict[str, Any],
+) -> None:
+    from smg.launch_router import parse_router_args  # SMG's own parser: its flags as it reads them
+
+    services = compose["services"]
+    gateway = services["gateway"]
+    replicas = sorted(n for n, s in services.items() if "gateway" in s.get("profiles", ()))
+    replicas.remove("gateway")
+    args = parse_router_args(gateway["command"])
+    args._validate_router_args()
+    assert args.worker_urls == [f"grpc://{name}:50051" for name in replicas]
+    assert len(replicas) >= 2
+    assert {name: d["condition"] for name, d in gateway["depends_on"].items()} == dict.fromkeys(
+        replicas, "service_healthy"
+    )
+    assert gateway["ports"] == [f"8000:{args.port}"]
+    assert gateway["build"] == "deploy/smg"
 
 
 def seconds(duration: str) -> float:
@@ -164,10 +184,11 @@ def test_deploy_dockerignore_sends_only_the_build_inputs() -> None:
     assert {"!pyproject.toml", "!README.md", "!requirements.lock", "!loom/"} <= set(lines)
 
 
-def test_deploy_dockerfile_is_clean_for_hadolint() -> None:
+@pytest.mark.parametrize("dockerfile_path", ["Dockerfile", "deploy/smg/Dockerfile"])
+def test_deploy_dockerfile_is_clean_for_hadolint(dockerfile_path: str) -> None:
     hadolint = Path(sys.executable).parent / "hadolint"
     result = subprocess.run(
-        [str(hadolint), str(ROOT / "Dockerfile")], capture_output=True, text=True
+        [str(hadolint), str(ROOT / dockerfile_path)], capture_output=True, text=True
     )
     assert result.returncode == 0, result.stdout + result.stderr
 

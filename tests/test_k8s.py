@@ -5,7 +5,8 @@ unknown field is an error). The schemas, generated from the Kubernetes OpenAPI s
 come bundled in the `kubernetes-validate` package (Apache-2.0), so nothing is fetched. Then what
 Loom needs from the manifests: the args parse with Loom's real argument parser, the grace period
 outlasts the drain, the probes ask grpc.health.v1 on the gRPC port, the GPU variant asks for a
-GPU, and the nginx ConfigMap holds deploy/nginx/nginx.conf unchanged.
+GPU, the nginx ConfigMap holds deploy/nginx/nginx.conf unchanged, and the SMG gateway finds every
+Loom pod (its args parsed by SMG's own parser) with no more rights than watching pods.
 """
 
 from __future__ import annotations
@@ -87,7 +88,7 @@ def validate(document: dict[str, Any], version: str) -> None:
 def test_k8s_every_document_follows_the_kubernetes_schema(
     manifests: Manifests, version: str
 ) -> None:
-    assert set(manifests) == {"loom-cpu.yaml", "loom-gpu.yaml", "nginx.yaml"}
+    assert set(manifests) == {"loom-cpu.yaml", "loom-gpu.yaml", "nginx.yaml", "smg.yaml"}
     for documents in manifests.values():
         for document in documents:
             validate(document, version)
@@ -212,3 +213,33 @@ def test_k8s_nginx_serves_the_config_map_behind_the_front_service(manifests: Man
     (service_port,) = front["spec"]["ports"]
     assert service_port["targetPort"] == "grpc"
     assert service_port["port"] == 50051  # clients keep the port they use for one replica
+
+
+def test_k8s_gateway_discovers_every_loom_pod_as_a_grpc_worker(manifests: Manifests) -> None:
+    from smg.launch_router import parse_router_args  # SMG's own parser: its flags as it reads them
+
+    deployment = find(manifests, "smg.yaml", "Deployment", "loom-gateway")
+    smg = container(deployment, "smg")
+    args = parse_router_args(smg["args"])
+    args._validate_router_args()
+    assert args.service_discovery
+    for loom in loom_deployments(manifests):
+        assert args.selector.items() <= loom["spec"]["template"]["metadata"]["labels"].items()
+        assert args.service_discovery_port == port(container(loom, "loom"), "grpc")
+    pod = deployment["spec"]["template"]
+    assert args.selector.items() - pod["metadata"]["labels"].items()  # not itself
+    assert port(smg, "http") == args.port
+    service = find(manifests, "smg.yaml", "Service", "loom-gateway")
+    assert service["spec"]["selector"].items() <= pod["metadata"]["labels"].items()
+
+
+def test_k8s_gateway_may_watch_the_pods_and_nothing_more(manifests: Manifests) -> None:
+    deployment = find(manifests, "smg.yaml", "Deployment", "loom-gateway")
+    account = deployment["spec"]["template"]["spec"]["serviceAccountName"]
+    binding = find(manifests, "smg.yaml", "RoleBinding", "loom-gateway")
+    assert binding["subjects"] == [{"kind": "ServiceAccount", "name": account}]
+    role = find(manifests, "smg.yaml", "Role", binding["roleRef"]["name"])
+    assert role["rules"] == [
+        {"apiGroups": [""], "resources": ["pods"], "verbs": ["get", "list", "watch"]}
+    ]
+    assert deployment["spec"]["template"]["spec"]["securityContext"]["runAsNonRoot"] is True
