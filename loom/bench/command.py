@@ -132,6 +132,12 @@ def add_parser(commands: Any) -> argparse.ArgumentParser:
         "outputs), spread evenly; each still makes exactly --output-len tokens (default: 0)",
     )
     add("--http-address", default=None, help="with --address and --api openai: HOST:PORT")
+    add(
+        "--text-prompts",
+        action="store_true",
+        help="with --api openai: send each prompt as its text (a gateway that takes no token "
+        "ids: SMG), a token for each streamed chunk (and the few more the usage counts)",
+    )
     add("--api-key", default=None, help="sent as `authorization: Bearer KEY` (--api-key-file)")
     add_tls_arguments(bench)
     add("--goodput", default="", help="latency objectives in ms, e.g. ttft=2000,tpot=200")
@@ -195,30 +201,13 @@ def server_address(args: argparse.Namespace) -> Iterator[Target]:
 def run(args: argparse.Namespace) -> int:
     goals = objectives(args.goodput)
     concurrencies = counts("--concurrency", args.concurrency)
-    for flag, value, minimum in [
-        ("--num-prompts", 1 if args.num_prompts is None else args.num_prompts, 1),
-        ("--input-len", args.input_len, 1),
-        ("--output-len", args.output_len, 1),
-        ("--warmup", args.warmup, 0),
-        ("--prefix-len", args.prefix_len, 1),
-        ("--turns", args.turns, 1),
-    ]:
-        at_least(minimum)(flag, value)
-    if not args.request_rate > 0:
-        raise ValueError(f"--request-rate must be above 0, got {args.request_rate}")
-    if args.workload != "standard" and (args.baseline or args.llama_server):
-        raise ValueError("--baseline and --llama-server run the standard workload only")
-    if args.tenants and (args.address or args.baseline or args.llama_server):
-        raise ValueError("--tenants launches its servers, with Loom alone: drop --address")
-    if args.compare_prefix_caching and args.address:
-        raise ValueError("--compare-prefix-caching launches both servers; drop --address")
-    if args.api != "grpc" and args.address and not args.http_address:
-        raise ValueError("--api openai with --address needs --http-address HOST:PORT")
-    check_llama_flags(args)
+    check_flags(args)
     if is_sim(args.model):  # its prompts are random token ids
         if args.baseline or args.llama_server:
             raise ValueError("--baseline and --llama-server need a real model, not sim")
         loaded, pad = load_sim(args.model), 0
+        if args.text_prompts and loaded.tokenizer is None:
+            raise ValueError("--text-prompts: the sim model needs a tokenizer (tokenizer=...)")
     else:
         loaded = load_model(args.model, dtype=torch.float32, device=torch.device("cpu"))
         pad = loaded.tokenizer.pad_token_id or loaded.tokenizer.eos_token_id or 0
@@ -239,6 +228,32 @@ def run(args: argparse.Namespace) -> int:
         args.json.write_text(json.dumps({"config": config, "runs": results}, indent=2, default=str))
     failed = report_failures(results)
     return 1 if failed or not compared else 0
+
+
+def check_flags(args: argparse.Namespace) -> None:
+    """The flags' values, and the ones that go together, refused by name."""
+    for flag, value, minimum in [
+        ("--num-prompts", 1 if args.num_prompts is None else args.num_prompts, 1),
+        ("--input-len", args.input_len, 1),
+        ("--output-len", args.output_len, 1),
+        ("--warmup", args.warmup, 0),
+        ("--prefix-len", args.prefix_len, 1),
+        ("--turns", args.turns, 1),
+    ]:
+        at_least(minimum)(flag, value)
+    if not args.request_rate > 0:
+        raise ValueError(f"--request-rate must be above 0, got {args.request_rate}")
+    if args.workload != "standard" and (args.baseline or args.llama_server):
+        raise ValueError("--baseline and --llama-server run the standard workload only")
+    if args.tenants and (args.address or args.baseline or args.llama_server):
+        raise ValueError("--tenants launches its servers, with Loom alone: drop --address")
+    if args.compare_prefix_caching and args.address:
+        raise ValueError("--compare-prefix-caching launches both servers; drop --address")
+    if args.text_prompts and args.api != "openai":
+        raise ValueError("--text-prompts goes with --api openai")
+    if args.api != "grpc" and args.address and not args.http_address:
+        raise ValueError("--api openai with --address needs --http-address HOST:PORT")
+    check_llama_flags(args)
 
 
 def run_tenants_of(args: argparse.Namespace, loaded: LoadedModel, concurrency: int) -> int:

@@ -7,6 +7,9 @@ on a connection of its own per concurrent client, the same workload either way.
 - openai: an aiohttp session holding one connection per client; POST /v1/completions with
   the prompt's token ids, `stream`, `ignore_eos` and vLLM's `return_token_ids` (so that each
   chunk's tokens are counted, not guessed from its text), each SSE chunk timed as it arrives.
+  With `--text-prompts` (a gateway that takes text alone: SMG), the prompt's text, and a token
+  for each chunk, the few more that the usage counts (a gateway streams the tokens of a
+  character split over tokens together) timed with the last.
 
 `ProcessCpu` reads a launched server's CPU time from /proc: all of it, and its asyncio thread's
 alone (the one at nice 19: both fronts' HTTP/2 and HTTP work), so that each front's cost per
@@ -19,7 +22,7 @@ import itertools
 import json
 import os
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any, Protocol
 
@@ -145,6 +148,8 @@ class OpenAIFront:
     port: int
     api_key: str | None = None
     constraining: Constraining = attrs.field(factory=Constraining)
+    decode: Callable[[tuple[int, ...]], str] | None = None  # --text-prompts: the prompt's text
+    model: str | None = None  # the served name (a gateway routes by it)
     name: str = "openai"
 
     def open(self) -> aiohttp.ClientSession:
@@ -156,6 +161,21 @@ class OpenAIFront:
     async def close(self, connection: aiohttp.ClientSession) -> None:
         await connection.close()
 
+    def body(self, prompt: tuple[int, ...], output_len: int) -> dict[str, Any]:
+        body: dict[str, Any] = {"max_tokens": output_len, "temperature": 0, "stream": True}
+        if self.model is not None:
+            body["model"] = self.model
+        if self.decode is None:
+            body.update(prompt=list(prompt), return_token_ids=True)
+        else:
+            body.update(prompt=self.decode(prompt), stream_options={"include_usage": True})
+        schema = self.constraining.schema_for(output_len)
+        if schema is None:
+            body["ignore_eos"] = True
+        else:
+            body["structured_outputs"] = {"json": json.loads(schema)}
+        return body
+
     async def request(
         self,
         connection: aiohttp.ClientSession,
@@ -163,23 +183,12 @@ class OpenAIFront:
         output_len: int,
         received: list[int] | None,
     ) -> RequestTiming:
-        body: dict[str, Any] = {
-            "prompt": list(prompt),
-            "max_tokens": output_len,
-            "temperature": 0,
-            "stream": True,
-            "return_token_ids": True,
-        }
-        schema = self.constraining.schema_for(output_len)
-        if schema is None:
-            body["ignore_eos"] = True
-        else:
-            body["structured_outputs"] = {"json": json.loads(schema)}
         url = f"http://{self.host}:{self.port}/v1/completions"
         start = time.perf_counter()
         times: list[float] = []
+        usage: list[int] = []  # the tokens the last chunk's usage counts (--text-prompts)
         try:
-            async with connection.post(url, json=body) as response:
+            async with connection.post(url, json=self.body(prompt, output_len)) as response:
                 if response.status != 200:
                     raise RuntimeError(f"HTTP {response.status}: {(await response.read())[:200]!r}")
                 events = SseReader()
@@ -190,13 +199,42 @@ class OpenAIFront:
                             continue
                         if "error" in chunk:
                             raise RuntimeError(f"error event: {chunk['error']}")
-                        token_ids = chunk["choices"][0]["token_ids"] if chunk["choices"] else []
-                        times.extend([now] * len(token_ids))
-                        if received is not None:
-                            received.extend(token_ids)
+                        self.take(chunk, now, times, received, usage)
+            if self.decode is not None:
+                times.extend(times[-1:] * (count_of(usage) - len(times)))
         except Exception as exc:  # a failed request is counted, not fatal to the run
             return RequestTiming.failed(prompt, exc)
         return RequestTiming(ok=True, num_prompt_tokens=len(prompt), token_times=tuple(times))
+
+    def take(
+        self,
+        chunk: Any,
+        now: float,
+        times: list[float],
+        received: list[int] | None,
+        usage: list[int],
+    ) -> None:
+        """Time a chunk's tokens: its token ids; with --text-prompts, a chunk that does not
+        finish the choice is one token (the few a gateway streams together, a character split
+        over tokens, are timed with the last: the usage counts them)."""
+        if chunk.get("usage"):
+            usage.append(chunk["usage"]["completion_tokens"])
+        choices = chunk.get("choices") or []
+        if self.decode is not None:
+            if choices and choices[0].get("finish_reason") is None:
+                times.append(now)
+            return
+        token_ids = choices[0]["token_ids"] if choices else []
+        times.extend([now] * len(token_ids))
+        if received is not None:
+            received.extend(token_ids)
+
+
+def count_of(usage: list[int]) -> int:
+    """The completion tokens the last chunk's usage counts (--text-prompts)."""
+    if len(usage) != 1:
+        raise RuntimeError(f"no usage in the stream's last chunk: {usage}")
+    return usage[0]
 
 
 @attrs.frozen(kw_only=True)

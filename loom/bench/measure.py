@@ -5,7 +5,9 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import json
 import sys
+import urllib.request
 from typing import Any
 
 import attrs
@@ -41,8 +43,8 @@ class Target:
     http_port: int | None = None
     pid: int | None = None
 
-    def fronts(self, args: argparse.Namespace) -> list[Front]:
-        """The fronts `--api` asks for, gRPC first."""
+    def fronts(self, args: argparse.Namespace, tokenizer: Any = None) -> list[Front]:
+        """The fronts `--api` asks for, gRPC first (`tokenizer`: for --text-prompts)."""
         share = Constraining(fraction=args.constrained_fraction)
         grpc = GrpcFront(host=self.host, port=self.port, client=Client.of(args), constraining=share)
         if args.api == "grpc":
@@ -50,9 +52,24 @@ class Target:
         if self.http_port is None:
             raise ValueError("--api openai: the server has no HTTP API port")
         openai = OpenAIFront(
-            host=self.host, port=self.http_port, api_key=args.api_key, constraining=share
+            host=self.host,
+            port=self.http_port,
+            api_key=args.api_key,
+            constraining=share,
+            decode=tokenizer.decode if args.text_prompts else None,
+            model=served_model(self.host, self.http_port, args.api_key),
         )
         return [openai] if args.api == "openai" else [grpc, openai]
+
+
+def served_model(host: str, port: int, api_key: str | None) -> str:
+    """The model's name at an HTTP API (its first, from GET /v1/models): a request must name
+    it to a gateway (SMG)."""
+    request = urllib.request.Request(f"http://{host}:{port}/v1/models")
+    if api_key:
+        request.add_header("Authorization", f"Bearer {api_key}")
+    with urllib.request.urlopen(request, timeout=30) as response:
+        return str(json.loads(response.read())["data"][0]["id"])
 
 
 def measure(
@@ -68,7 +85,9 @@ def measure(
     after the other: "loom" is the first, "openai" the HTTP API's beside gRPC's), then the
     baselines asked for."""
     result: dict[str, Any] = {"concurrency": concurrency}
-    for run, (key, front) in enumerate(zip(("loom", "openai"), target.fronts(args), strict=False)):
+    for run, (key, front) in enumerate(
+        zip(("loom", "openai"), target.fronts(args, loaded.tokenizer), strict=False)
+    ):
         workload = make_workload_of(args, loaded, concurrency, run)
         cpu = ProcessCpu(pid=target.pid) if target.pid is not None else None
         before = cpu.sample() if cpu is not None else (0.0, 0.0)

@@ -100,11 +100,8 @@ class Scheduler:
 
     def num_waiting_tokens(self, tenant: str | None = None) -> int:
         """Prompt tokens of the queued requests that are not paused (`tenant`'s alone)."""
-        return sum(
-            r.num_prompt_tokens
-            for r in self.waiting
-            if not r.paused and (tenant is None or r.tenant == tenant)
-        )
+        queued = (r for r in self.waiting if not r.paused and tenant in (None, r.tenant))
+        return sum(r.num_prompt_tokens for r in queued)
 
     def schedule(self, now: float) -> SchedulerOutput | None:
         budget = self.config.max_num_batched_tokens
