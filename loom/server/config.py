@@ -1,5 +1,5 @@
 """The serving process's settings: where it listens (gRPC, and OpenAI's HTTP API), the network
-boundary's limits, tenants, drain, logs, metrics."""
+boundary's limits, tenants, the vLLM engine protocol's, drain, logs, metrics."""
 
 from __future__ import annotations
 
@@ -9,6 +9,7 @@ from loom.core.setting import above, in_range, setting
 from loom.server.boundary import BoundaryConfig
 from loom.server.openai.config import HttpConfig
 from loom.server.tenants import TenantConfig
+from loom.server.vllm.config import VllmConfig
 
 
 @attrs.frozen(kw_only=True)
@@ -18,6 +19,7 @@ class ServerConfig:
     boundary: BoundaryConfig = attrs.field(factory=BoundaryConfig)
     tenants: TenantConfig = attrs.field(factory=TenantConfig)
     http: HttpConfig = attrs.field(factory=HttpConfig)
+    vllm: VllmConfig = attrs.field(factory=VllmConfig)
     drain_timeout: float = setting(
         30.0, "seconds in-flight requests get to finish on SIGTERM", check=above(0)
     )

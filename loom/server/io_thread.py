@@ -190,6 +190,7 @@ class IoThread:
             health,
             served_model_name=http.served_model_name,
             max_choices=http.max_choices,
+            config=self.config.vllm,
         )
         checks: dict[Any, list[ServiceStatus]] = {servicer: [health], vllm: [health]}
         return list(ServerReflection.extend([servicer, vllm, Health(checks)]))

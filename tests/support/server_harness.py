@@ -20,6 +20,7 @@ from loom.server.config import ServerConfig
 from loom.server.openai.config import HttpConfig
 from loom.server.supervisor import Supervisor
 from loom.server.tenants import TenantConfig
+from loom.server.vllm.config import VllmConfig
 
 
 @asynccontextmanager
@@ -30,6 +31,7 @@ async def serving(
     tenants: TenantConfig | None = None,
     boundary: BoundaryConfig | None = None,
     http: HttpConfig | None = None,
+    vllm: VllmConfig | None = None,
     **config: Any,
 ) -> AsyncIterator[tuple[Supervisor, int]]:
     """With `http`, the HTTP API too (its port: `server.http_port`)."""
@@ -40,6 +42,7 @@ async def serving(
         tenants=tenants or TenantConfig(),
         boundary=boundary or BoundaryConfig(),
         http=http or HttpConfig(),
+        vllm=vllm or VllmConfig(),
     )
     server = Supervisor(engine, settings)
     async with trio.open_nursery() as nursery:

@@ -23,19 +23,56 @@ name a block for its children and its eviction.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import hashlib
 import os
 import time
-from collections.abc import Awaitable, Callable, Sequence
+from collections import Counter
+from collections.abc import Awaitable, Callable, Iterator, Sequence
 from typing import Any
 
+from grpclib import GRPCError, Status
+
 from loom.core.kv_events import KvEvent, KvEventLog, StoredBlock
+from loom.server.vllm.config import VllmConfig
 from loom.smg import common_pb2 as common
 from loom.smg import vllm_engine_pb2 as pb
 
 CHUNK = 1024  # events in one batch of a snapshot, or of new events
 HEARTBEAT = 1.0  # seconds of quiet before a load-only batch
 KEY = os.urandom(32)
+
+
+class Subscriptions:
+    """The streams open, in all and by tenant, within `VllmConfig`'s caps: each is read on
+    every engine step that caches or evicts a block."""
+
+    def __init__(self, config: VllmConfig) -> None:
+        self.config = config
+        self.by_tenant: Counter[str] = Counter()
+
+    @contextlib.contextmanager
+    def held(self, tenant: str) -> Iterator[None]:
+        limit = self.config.max_kv_subscriptions
+        if self.by_tenant.total() >= limit:
+            refuse(f"{limit} KV event streams are open; the limit is max_kv_subscriptions")
+        own = self.config.max_kv_subscriptions_per_tenant
+        if self.by_tenant[tenant] >= own:
+            refuse(
+                f"this tenant has {own} KV event streams open; the limit is "
+                "max_kv_subscriptions_per_tenant"
+            )
+        self.by_tenant[tenant] += 1
+        try:
+            yield
+        finally:
+            self.by_tenant[tenant] -= 1
+            if not self.by_tenant[tenant]:
+                del self.by_tenant[tenant]
+
+
+def refuse(message: str) -> None:
+    raise GRPCError(Status.RESOURCE_EXHAUSTED, message)
 
 
 def opaque(block_hash: bytes) -> int:

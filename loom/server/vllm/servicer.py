@@ -19,11 +19,13 @@ from __future__ import annotations
 import asyncio
 import time
 from functools import partial
+from typing import Any
 
 from grpclib import GRPCError, Status
 from grpclib.health.check import ServiceStatus
 from grpclib.server import Stream
 
+from loom.core.kv_events import KvEventLog
 from loom.core.tenancy import Tenancy
 from loom.engine.engine import Engine
 from loom.server.bridge import TrioBridge
@@ -33,8 +35,9 @@ from loom.server.grpc.wire import request_id_from
 from loom.server.load import Load, Throughput, timestamp, version
 from loom.server.relay import EngineRequest, Live, Relay
 from loom.server.vllm import wire
+from loom.server.vllm.config import VllmConfig
 from loom.server.vllm.framing import VllmFraming
-from loom.server.vllm.kv_feed import KvFeed
+from loom.server.vllm.kv_feed import KvFeed, Subscriptions
 from loom.server.vllm.tokenizer_bundle import TokenizerBundle
 from loom.smg import common_pb2 as common
 from loom.smg import vllm_engine_pb2 as pb
@@ -53,6 +56,7 @@ class VllmServicer(VllmEngineBase):
         *,
         served_model_name: str | None,
         max_choices: int,
+        config: VllmConfig,
     ) -> None:
         self.engine = engine
         self.bridge = bridge
@@ -63,6 +67,7 @@ class VllmServicer(VllmEngineBase):
         self.started = time.monotonic()
         self.bundle = TokenizerBundle()
         self.throughput = Throughput()
+        self.subscriptions = Subscriptions(config)
 
     async def Generate(self, stream: Stream[pb.GenerateRequest, pb.GenerateResponse]) -> None:
         call = call_of(stream)
@@ -154,12 +159,16 @@ class VllmServicer(VllmEngineBase):
         viewer = None if tenant.admin else tenant.name
         with status_errors():
             log = await self.bridge.call(self.engine.kv_events)
+        with self.subscriptions.held(tenant.name):
+            await self.feed(stream, log, viewer, request.start_sequence_number)
+
+    async def feed(self, stream: Any, log: KvEventLog, viewer: str | None, start: int) -> None:
         wake = asyncio.Event()
         waker = self.bridge.waker(wake)
         feed = KvFeed(
             log,
             viewer,
-            request.start_sequence_number,
+            start,
             stream.send_message,
             self.bridge.call,
             partial(self.load, viewer),

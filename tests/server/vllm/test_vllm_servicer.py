@@ -11,6 +11,7 @@ clients in worker threads; every test under `fail_after`.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import hashlib
 import io
 import zipfile
@@ -27,6 +28,7 @@ from loom.client.channel import SMALL_WINDOWS
 from loom.core.config import CacheConfig, SchedulerConfig
 from loom.model.loader import LoadedModel
 from loom.server.tenants import TenantConfig
+from loom.server.vllm.config import VllmConfig
 from loom.smg import common_pb2 as common
 from loom.smg import vllm_engine_pb2 as pb
 from loom.smg.vllm_engine_grpc import VllmEngineStub
@@ -347,3 +349,51 @@ async def test_vllm_kv_events_follow_blocks_stored_and_evicted_live(
     assert [b.sequence_number for b in batches if not b.load.load_only] == list(
         range(1, 1 + sum(not b.load.load_only for b in batches))
     )
+
+
+async def subscribe_until_refused(port: int) -> list[tuple[str, str]]:
+    """Subscriptions held open, in turn: a's three, then b's two; how each ended ("open", or
+    the refusal's status and message)."""
+    results: list[tuple[str, str]] = []
+    async with contextlib.AsyncExitStack() as stack:
+        for key in ("key-of-a", "key-of-a", "key-of-a", "key-of-b", "key-of-b"):
+            channel = await stack.enter_async_context(Channel(HOST, port))
+            stream = await stack.enter_async_context(
+                VllmEngineStub(channel).SubscribeKvEvents.open(metadata=bearer(key))
+            )
+            await stream.send_message(common.SubscribeKvEventsRequest(), end=True)
+            try:
+                await stream.recv_message()  # the snapshot: it is open
+                results.append(("open", ""))
+            except GRPCError as exc:
+                results.append((exc.status.name, exc.message or ""))
+            await stack.enter_async_context(cancelling(stream))
+    return results
+
+
+@contextlib.asynccontextmanager
+async def cancelling(stream: Any) -> Any:
+    try:
+        yield
+    finally:
+        with contextlib.suppress(Exception):
+            await stream.cancel()
+
+
+async def test_vllm_kv_subscriptions_are_capped_in_all_and_by_tenant(
+    tiny_chat: LoadedModel, key_file: str
+) -> None:
+    caps = VllmConfig(max_kv_subscriptions=3, max_kv_subscriptions_per_tenant=2)
+    tenants = TenantConfig(api_key_file=key_file)
+    async with serving(tiny_chat, tenants=tenants, vllm=caps) as (_, port):
+        with trio.fail_after(60):
+            results = await in_asyncio(subscribe_until_refused, port)
+    assert [status for status, _ in results] == [
+        "open",
+        "open",
+        "RESOURCE_EXHAUSTED",  # a's third: its own cap
+        "open",  # b is not held back by a
+        "RESOURCE_EXHAUSTED",  # b's second: all 3 are open
+    ]
+    assert "max_kv_subscriptions_per_tenant" in results[2][1]
+    assert "the limit is max_kv_subscriptions" in results[4][1]
