@@ -249,8 +249,8 @@ def check_flags(args: argparse.Namespace) -> None:
         raise ValueError("--tenants launches its servers, with Loom alone: drop --address")
     if args.compare_prefix_caching and args.address:
         raise ValueError("--compare-prefix-caching launches both servers; drop --address")
-    if args.text_prompts and args.api != "openai":
-        raise ValueError("--text-prompts goes with --api openai")
+    if args.text_prompts and (args.api != "openai" or args.workload == "multi-turn"):
+        raise ValueError("--text-prompts goes with --api openai, not --workload multi-turn")
     if args.api != "grpc" and args.address and not args.http_address:
         raise ValueError("--api openai with --address needs --http-address HOST:PORT")
     check_llama_flags(args)

@@ -200,8 +200,8 @@ class OpenAIFront:
                         if "error" in chunk:
                             raise RuntimeError(f"error event: {chunk['error']}")
                         self.take(chunk, now, times, received, usage)
-            if self.decode is not None:
-                times.extend(times[-1:] * (count_of(usage) - len(times)))
+            if self.decode is not None:  # the last chunk's time: the usage's
+                times.extend([time.perf_counter() - start] * (count_of(usage) - len(times)))
         except Exception as exc:  # a failed request is counted, not fatal to the run
             return RequestTiming.failed(prompt, exc)
         return RequestTiming(ok=True, num_prompt_tokens=len(prompt), token_times=tuple(times))

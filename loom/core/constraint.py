@@ -25,7 +25,7 @@ class ConstraintKind(enum.Enum):
     JSON_SCHEMA = "json_schema"  # `spec`: the schema, as JSON text
     JSON_OBJECT = "json_object"  # any JSON object; no `spec`
     REGEX = "regex"  # `spec`: the regular expression (Rust regex syntax)
-    GRAMMAR = "grammar"  # `spec`: a Lark grammar, as llguidance reads it
+    GRAMMAR = "grammar"  # `spec`: a Lark grammar, as llguidance reads it, or GBNF
     CHOICE = "choice"  # `choices`: the output is exactly one of them
 
 

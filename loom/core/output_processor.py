@@ -78,11 +78,14 @@ class OutputProcessor:
 
 
 def stop_token(request: Request) -> int | None:
-    """The stop token id that ended the request, if one of `stop_token_ids` did (the model's
-    EOS is not one: vLLM's `stop_reason`)."""
+    """The stop token id that ended the request, if one of `stop_token_ids` did and it is not
+    the model's EOS (vLLM's `stop_reason`: the EOS is checked first)."""
     last = request.output_token_ids[-1:]
-    stopped = request.status.finish_reason is FinishReason.STOP
-    return last[0] if stopped and last and last[0] in request.sampling.stop_token_ids else None
+    if request.status.finish_reason is not FinishReason.STOP or not last:
+        return None
+    token = last[0]
+    stop = token in request.sampling.stop_token_ids and token not in request.eos_token_ids
+    return token if stop else None
 
 
 def timings(request: Request, now: float) -> Timings:

@@ -74,5 +74,6 @@ def cache_full_blocks(blocks: BlockManager, request: Request, num_computed_befor
                 parent_hash=hashes[index - 1] if index else None,
                 token_ids=tuple(request.token_ids(index * size, (index + 1) * size)),
                 tenant=request.tenant,
+                salted=bool(request.cache_salt),
             )
         )

@@ -35,6 +35,7 @@ import attrs
 import llguidance
 import llguidance.hf
 import torch
+from llguidance.gbnf_to_lark import any_to_lark
 
 from loom.core.config import ConstraintConfig
 from loom.core.constraint import Constraint, ConstraintKind
@@ -254,6 +255,15 @@ def deep_stack_threads(count: int, name: str, nice: int = 0) -> ThreadPoolExecut
     return executor
 
 
+def lark_of(spec: str) -> str:
+    """A grammar in Lark (llguidance's dialect, with a `start` rule), or in GBNF (llama.cpp's,
+    vLLM's EBNF: `root ::= ...`), as Lark."""
+    try:
+        return any_to_lark(spec)
+    except Exception as exc:  # the converter's own errors, of several kinds
+        raise InvalidRequestError(f"grammar is not Lark or GBNF: {exc}"[:MAX_ERROR_CHARS]) from None
+
+
 def grammar_of(constraint: Constraint) -> str:
     """llguidance's grammar text for a constraint."""
     kind, spec = constraint.kind, constraint.spec
@@ -264,7 +274,7 @@ def grammar_of(constraint: Constraint) -> str:
     if kind is ConstraintKind.REGEX:
         return llguidance.LLMatcher.grammar_from_regex(spec)
     if kind is ConstraintKind.GRAMMAR:
-        return llguidance.LLMatcher.grammar_from_lark(spec)
+        return llguidance.LLMatcher.grammar_from_lark(lark_of(spec))
     schema = '{"type": "object"}' if kind is ConstraintKind.JSON_OBJECT else spec
     try:
         # Compact JSON (", " and ": " between items): free whitespace lets a model pad forever.

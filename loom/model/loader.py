@@ -49,6 +49,7 @@ class LoadedModel:
     dtype: torch.dtype
     device: torch.device
     quantization: str = "none"  # how the runner computes the linear layers (linear.METHODS)
+    tokenizer_folder: Path | None = None  # the files the tokenizer was read from, if local
 
     @property
     def eos_token_ids(self) -> tuple[int, ...]:
@@ -146,7 +147,12 @@ def load_model(
     hf_model.to(device).eval()
     tokenizer = AutoTokenizer.from_pretrained(folder)
     return LoadedModel(
-        name=model_name(model), model=hf_model, tokenizer=tokenizer, dtype=dtype, device=device
+        name=model_name(model),
+        model=hf_model,
+        tokenizer=tokenizer,
+        dtype=dtype,
+        device=device,
+        tokenizer_folder=Path(folder) if Path(folder).is_dir() else None,
     )
 
 

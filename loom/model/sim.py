@@ -23,7 +23,6 @@ from __future__ import annotations
 import time
 from pathlib import Path
 from types import SimpleNamespace
-from typing import Any
 
 import attrs
 import torch
@@ -76,11 +75,14 @@ def load_sim(spec: str, cache_dir: Path | None = None) -> LoadedModel:
     """`sim` or `sim:key=value,...`; an unknown key or a bad value names itself. A tokenizer's
     vocabulary is the model's unless `vocab` says otherwise."""
     values: dict[str, float] = {}
-    tokenizer = None
+    tokenizer, folder = None, None
     for item in filter(None, spec.removeprefix(PREFIX).removeprefix(":").split(",")):
         key, _, text = item.partition("=")
         if key == "tokenizer":
-            tokenizer = sim_tokenizer(text, cache_dir)
+            from transformers import AutoTokenizer
+
+            folder = tokenizer_folder(text, cache_dir)
+            tokenizer = AutoTokenizer.from_pretrained(str(folder))
             values.setdefault("vocab", len(tokenizer))
             continue
         if key not in MINIMUMS:
@@ -96,20 +98,23 @@ def load_sim(spec: str, cache_dir: Path | None = None) -> LoadedModel:
     eos = None if tokenizer is None else tokenizer.eos_token_id
     model = SimModel(**values, generation_config=SimpleNamespace(eos_token_id=eos))  # type: ignore[arg-type]
     return LoadedModel(
-        name=spec, model=model, tokenizer=tokenizer, dtype=torch.float32, device=torch.device("cpu")
+        name=spec,
+        model=model,
+        tokenizer=tokenizer,
+        dtype=torch.float32,
+        device=torch.device("cpu"),
+        tokenizer_folder=folder,
     )
 
 
-def sim_tokenizer(where: str, cache_dir: Path | None) -> Any:
-    """The tokenizer `tokenizer=` names: `default`, a folder, or a GGUF file."""
-    from transformers import AutoTokenizer
-
+def tokenizer_folder(where: str, cache_dir: Path | None) -> Path:
+    """The folder of the tokenizer `tokenizer=` names: `default`, a folder, or a GGUF file."""
     path = default_model_path() if where == "default" else Path(where)
     if path.suffix == ".gguf":
         path = converted_gguf_folder(path, model_cache_root(cache_dir))
     if not path.is_dir():
         raise ValueError(f"sim model: tokenizer={where}: no such folder or GGUF file")
-    return AutoTokenizer.from_pretrained(str(path))
+    return path
 
 
 class SimRunner(ModelRunner):

@@ -40,6 +40,8 @@ from loom.core.setting import above, at_least, byte_size, setting
 # Fixed limits on a request's fields, the same on both ports.
 MAX_REQUEST_ID_CHARS = 128
 MAX_CHAT_MESSAGES = 4096
+# Log-probabilities a whole (unstreamed) answer holds, every choice's (tokens x (top + 1)).
+MAX_WHOLE_LOGPROBS = 1 << 17
 
 
 @attrs.frozen(kw_only=True)

@@ -151,7 +151,7 @@ class IoThread:
         )
         health.set(False)
         servicer = LoomServicer(self.engine, TrioBridge(token, loop))
-        services = self.services(servicer, health)
+        services = self.services(servicer, health, traffic)
         endpoint = Endpoint(services, config.boundary, refused, self.identify, traffic, self.tls)
         async with contextlib.AsyncExitStack() as stack:
             stack.push_async_callback(traffic.close)
@@ -179,9 +179,11 @@ class IoThread:
             token.run_sync_soon(hand, Io(loop, traffic, health, port, http_port, metrics_address))
             await stop.wait()
 
-    def services(self, servicer: LoomServicer, health: ServiceStatus) -> list[Any]:
+    def services(
+        self, servicer: LoomServicer, health: ServiceStatus, traffic: Traffic
+    ) -> list[Any]:
         """What the gRPC port serves: loom.v1, vllm.grpc.engine (on the same bridge and the
-        same labels' requests, for Abort), health and reflection."""
+        same labels' requests, for Abort; told of the drain), health and reflection."""
         http = self.config.http
         vllm = VllmServicer(
             self.engine,
@@ -192,6 +194,7 @@ class IoThread:
             max_choices=http.max_choices,
             config=self.config.vllm,
         )
+        traffic.fronts.append(vllm)
         checks: dict[Any, list[ServiceStatus]] = {servicer: [health], vllm: [health]}
         return list(ServerReflection.extend([servicer, vllm, Health(checks)]))
 

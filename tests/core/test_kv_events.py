@@ -25,7 +25,7 @@ def test_kv_events_a_reader_gets_its_tenants_events_after_its_cursor_in_order() 
     log.removed(b"a2")
     log.removed(b"never-stored")  # nothing: not live
     events, cursor = log.read(0, "a", limit=10)
-    assert [(e.sequence, e.block_hash, e.stored is None) for e in events] == [
+    assert [(e.sequence, e.block.block_hash, e.removed) for e in events] == [
         (1, b"a1", False),
         (3, b"a2", False),
         (4, b"a2", True),
@@ -79,8 +79,19 @@ def test_kv_events_evicting_a_cached_block_is_an_event() -> None:
     blocks.free("r")
     assert blocks.allocate("s", 2)  # takes the least recently released: h2's block
     events, _ = blocks.events.read(0, None, limit=10)
-    assert [(e.block_hash, e.stored is None) for e in events] == [
+    assert [(e.block.block_hash, e.removed) for e in events] == [
         (b"h1", False),
         (b"h2", False),
         (b"h2", True),
     ]
+
+
+def test_kv_events_a_salted_block_is_seen_by_an_admin_alone() -> None:
+    log = KvEventLog()
+    log.stored(
+        StoredBlock(block_hash=b"s", parent_hash=None, token_ids=(1,), tenant="a", salted=True)
+    )
+    log.stored(block("plain", None))
+    assert [e.block.block_hash for e in log.read(0, "a", limit=10)[0]] == [b"plain"]
+    assert [b.block_hash for b in log.snapshot("a")[0]] == [b"plain"]
+    assert [b.block_hash for b in log.snapshot(None)[0]] == [b"s", b"plain"]

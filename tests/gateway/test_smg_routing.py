@@ -161,12 +161,17 @@ def test_smg_sends_new_requests_away_from_a_replica_loom_reports_busy(
     assert counts[1] >= 0.8 * 20
 
 
-def test_smg_drained_replica_finishes_its_streams_while_smg_sends_new_ones_elsewhere() -> None:
+@pytest.mark.parametrize("policy", ["round_robin", "cache_aware"])
+def test_smg_drained_replica_finishes_its_streams_while_smg_sends_new_ones_elsewhere(
+    policy: str,
+) -> None:
+    """With cache_aware, SMG also holds a KV event stream open on each replica: the drain
+    ends it, so the replica exits once its own streams are done, not at its deadline."""
     args = [*SIM, "--drain-timeout", "20"]
     with ExitStack() as stack:
         launched = [stack.enter_context(launched_process(args, ports={})) for _ in range(2)]
         replicas = [port for port, _ in launched]
-        gateway = stack.enter_context(smg_front(grpc_urls(replicas), "--policy", "round_robin"))
+        gateway = stack.enter_context(smg_front(grpc_urls(replicas), "--policy", policy))
         client = stack.enter_context(
             OpenAI(base_url=f"{gateway.url}/v1", api_key="none", max_retries=0, timeout=60)
         )
@@ -183,6 +188,7 @@ def test_smg_drained_replica_finishes_its_streams_while_smg_sends_new_ones_elsew
         draining = next(i for i, port in enumerate(replicas) if stats(port).num_running)
         other = replicas[1 - draining]
         launched[draining][1].send_signal(signal.SIGTERM)
+        signalled = time.monotonic()
         before = served(other)
         send_all(gateway.url, [f"Question {i}: why?" for i in range(10)])
         assert served(other) - before == 10
@@ -191,3 +197,4 @@ def test_smg_drained_replica_finishes_its_streams_while_smg_sends_new_ones_elsew
         assert reasons[-1] == "length"
         assert chunks[-1].usage.completion_tokens == 1500
         assert launched[draining][1].wait(timeout=30) == 0
+        assert time.monotonic() - signalled < 12  # its 3 s stream, not the 20 s deadline

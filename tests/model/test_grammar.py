@@ -184,3 +184,24 @@ def test_grammar_a_deep_chain_at_the_size_limit_compiles_on_the_deep_stack() -> 
         [sys.executable, "-c", script, "usual"], capture_output=True, timeout=300
     )
     assert usual.returncode == -11  # SIGSEGV: what a client's grammar did to the server
+
+
+def test_grammar_a_gbnf_grammar_is_taken_as_its_lark_and_a_broken_one_refused(
+    smollm2_tokenizer: Any,
+) -> None:
+    """vLLM's `grammar` (xgrammar's EBNF) and llama.cpp's are GBNF: `root ::= ...`."""
+    grammars = Grammars(smollm2_tokenizer, 49152, [2], ConstraintConfig())
+    gbnf = Constraint(kind=ConstraintKind.GRAMMAR, spec='root ::= "yes" | "no"')
+    matcher = grammars.copy(grammars.compile(gbnf))
+    (allowed,) = grammars.fill([matcher]).allowed
+    assert allowed is not None
+    assert {smollm2_tokenizer.decode([t]) for t in allowed.tolist()} <= {
+        "y",
+        "ye",
+        "yes",
+        "n",
+        "no",
+    }
+    broken = Constraint(kind=ConstraintKind.GRAMMAR, spec="root ::= (((")
+    with pytest.raises(InvalidRequestError, match="grammar is not Lark or GBNF"):
+        grammars.compile(broken)

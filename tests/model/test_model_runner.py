@@ -249,7 +249,7 @@ def test_model_runner_with_a_float16_pool_stays_close_to_float32(
 
     exact, half = scored("auto"), scored("fp16")
     runner = ModelRunner(tiny, CacheConfig(num_blocks=8, kv_cache_dtype="fp16"))
-    info = ModelInfo.of("tiny", runner, runner.max_model_len, EngineConfig())
+    info = ModelInfo.of(tiny, runner, runner.max_model_len, EngineConfig())
     assert info.dtype == "float32"  # GetModelInfo names the model's dtype, not the pool's
     error = (half - exact).norm(dim=-1) / exact.norm(dim=-1)
     assert float(error.max()) < 0.01, error

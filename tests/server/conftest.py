@@ -4,13 +4,22 @@ from __future__ import annotations
 
 from typing import Any
 
+import attrs
 import pytest
 
-from loom.model.loader import LoadedModel
+from loom.model.loader import (
+    LoadedModel,
+    converted_gguf_folder,
+    default_model_path,
+    model_cache_root,
+)
 from tests.conftest import tiny_model
 
 
 @pytest.fixture
 def tiny_chat(smollm2_tokenizer: Any) -> LoadedModel:
-    """A tiny random Llama over SmolLM2's tokenizer: text and chat prompts work."""
-    return tiny_model("llama", vocab_size=len(smollm2_tokenizer), tokenizer=smollm2_tokenizer)
+    """A tiny random Llama over SmolLM2's tokenizer (and its files, for GetTokenizer): text and
+    chat prompts work."""
+    loaded = tiny_model("llama", vocab_size=len(smollm2_tokenizer), tokenizer=smollm2_tokenizer)
+    folder = converted_gguf_folder(default_model_path(), model_cache_root())
+    return attrs.evolve(loaded, tokenizer_folder=folder)

@@ -1,7 +1,7 @@
 """The HTTP port's load reports, for a gateway in front of Loom's HTTP API (SMG in its HTTP
 mode polls both): `GET /v1/loads`, the loads as JSON (loom/server/load.py), and `GET /metrics`,
 the caller's view in Prometheus text under vLLM's names (`vllm:num_requests_running`,
-`vllm:kv_cache_usage_perc`, ...) and Loom's (`loom:...`). Behind the same keys as the API.
+`vllm:kv_cache_usage_perc`, ...). Behind the same keys as the API.
 
 The caller's view: the server's gauges, and its own token and prefix-cache counters (an
 admin's: everyone's). The operator's page, every tenant's series, is the metrics port's.
@@ -48,7 +48,8 @@ class LoadReports:
 
 
 class ViewCollector(Collector):
-    """One caller's view, once, in both names."""
+    """One caller's view, once, under vLLM's names (Loom's own, `loom:...`, are the metrics
+    port's, every tenant's: a scraper of both never mixes the two views)."""
 
     def __init__(self, load: Load, stats: EngineStats, viewer: str | None, model: str) -> None:
         self.load, self.stats, self.viewer, self.model = load, stats, viewer, model
@@ -73,12 +74,11 @@ class ViewCollector(Collector):
             "prefix_cache_queries": ("Tokens looked up in the prefix cache", queries),
             "prefix_cache_hits": ("Of those, found", hits),
         }
-        for prefix in ("vllm", "loom"):
-            for name, (doc, value) in gauges.items():
-                gauge = GaugeMetricFamily(f"{prefix}:{name}", doc, labels=["model_name"])
-                gauge.add_metric([self.model], value)
-                yield gauge
-            for name, (doc, value) in counters.items():
-                counter = CounterMetricFamily(f"{prefix}:{name}", doc, labels=["model_name"])
-                counter.add_metric([self.model], value)
-                yield counter
+        for name, (doc, value) in gauges.items():
+            gauge = GaugeMetricFamily(f"vllm:{name}", doc, labels=["model_name"])
+            gauge.add_metric([self.model], value)
+            yield gauge
+        for name, (doc, value) in counters.items():
+            counter = CounterMetricFamily(f"vllm:{name}", doc, labels=["model_name"])
+            counter.add_metric([self.model], value)
+            yield counter

@@ -19,6 +19,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from loom.core.request_output import Logprobs, RequestOutput
+from loom.server.boundary import MAX_WHOLE_LOGPROBS
 from loom.server.openai.errors import StreamEndedError, finish_error, invalid
 from loom.server.openai.json_body import Whole
 from loom.server.openai.requests import Ask
@@ -27,7 +28,6 @@ from loom.server.openai.tokens import TokenTexts
 DONE = b"data: [DONE]\n\n"
 # Log-probabilities a whole response may hold (tokens x (top + 1), prompt's included): it is
 # built at once, on the loop both fronts share, and rendered in slices off it (1.7 MB of JSON).
-MAX_WHOLE_LOGPROBS = 1 << 17
 FINISH = {"stop": "stop", "stop_sequence": "stop", "length": "length"}
 
 

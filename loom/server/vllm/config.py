@@ -17,5 +17,11 @@ class VllmConfig:
         check=at_least(1),
     )
     max_kv_subscriptions_per_tenant: int = setting(
-        4, "of those, one tenant's at once", check=at_least(1)
+        4, "of those, one tenant's at once (an admin's count against this alone)", check=at_least(1)
+    )
+    kv_subscribe_interval: float = setting(
+        1.0,
+        "seconds between two new SubscribeKvEvents streams of one tenant (each begins with a "
+        "snapshot of its cached blocks)",
+        check=at_least(0.0),
     )

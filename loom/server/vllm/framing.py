@@ -18,7 +18,9 @@ from typing import Any
 
 from grpclib import GRPCError
 
+from loom.core.errors import InvalidRequestError
 from loom.core.request_output import RequestOutput
+from loom.server.boundary import MAX_WHOLE_LOGPROBS
 from loom.server.grpc.status import ABNORMAL_STATUS
 from loom.server.vllm import wire
 from loom.smg import vllm_engine_pb2 as pb
@@ -29,9 +31,11 @@ class VllmFraming:
         self.stream = stream
         self.num_prompt_tokens = num_prompt_tokens  # 0 until known, for a text prompt
         self.held: list[list[RequestOutput]] = [[] for _ in range(num_choices)]  # whole: all
+        self.kept = 0  # log-probabilities held, every choice's
 
     def delta(self, index: int, batch: Sequence[RequestOutput]) -> Any:
         if not self.stream:
+            self.keep(batch)
             self.held[index].extend(batch)
             return None
         return pb.GenerateResponse(chunk=self.chunk(index, batch))
@@ -39,11 +43,21 @@ class VllmFraming:
     def final(self, index: int, batch: Sequence[RequestOutput], done: bool) -> Any:
         last = batch[-1]
         if not self.stream:
+            self.keep(batch)
             outputs = [*self.held[index], *batch]
             self.held[index] = []
             return pb.GenerateResponse(complete=self.complete(index, outputs, last))
         chunk = pb.GenerateResponse(chunk=self.chunk(index, batch))
         return chunk, pb.GenerateResponse(complete=self.complete(index, batch, last))
+
+    def keep(self, batch: Sequence[RequestOutput]) -> None:
+        """Hold a whole answer's log-probabilities within MAX_WHOLE_LOGPROBS."""
+        self.kept += sum(1 + len(lp.top) for o in batch for lp in o.logprobs)
+        if self.kept > MAX_WHOLE_LOGPROBS:
+            raise InvalidRequestError(
+                f"logprobs: a whole answer holds at most {MAX_WHOLE_LOGPROBS} log-probabilities "
+                "(tokens x (logprobs + 1), every choice's); ask for fewer, or stream it"
+            )
 
     def abnormal(self, index: int, batch: Sequence[RequestOutput]) -> tuple[Any, Exception]:
         last = batch[-1]

@@ -2,7 +2,7 @@
 feed of SMG's cache-aware routing, each batch with the engine's load (EngineLoad).
 
     first batch: a snapshot: KvCacheCleared, then every live block of the caller's, parents
-        first (in chunks of CHUNK events, each marked KvSnapshotChunk)
+        first (in chunks of CHUNK events, each marked KvSnapshotChunk, its events numbered 0)
     then: the caller's new events as they come (all that piled up, one batch); or, idle for
         HEARTBEAT seconds, a load-only batch repeating the last sequence number
     fallen behind the events the log keeps: a new snapshot
@@ -44,24 +44,33 @@ KEY = os.urandom(32)
 
 
 class Subscriptions:
-    """The streams open, in all and by tenant, within `VllmConfig`'s caps: each is read on
-    every engine step that caches or evicts a block."""
+    """The streams open, in all and by tenant, within `VllmConfig`'s caps (an admin's count
+    against its own cap alone: no tenant can keep the operator's gateway out), and a tenant's
+    new ones at most one each `kv_subscribe_interval` (each begins with a snapshot of its
+    blocks, walked in the engine's thread)."""
 
     def __init__(self, config: VllmConfig) -> None:
         self.config = config
         self.by_tenant: Counter[str] = Counter()
+        self.last: dict[str, float] = {}  # each tenant's latest subscription, lately
 
     @contextlib.contextmanager
-    def held(self, tenant: str) -> Iterator[None]:
-        limit = self.config.max_kv_subscriptions
-        if self.by_tenant.total() >= limit:
+    def held(self, tenant: str, admin: bool, now: float) -> Iterator[None]:
+        config = self.config
+        limit = config.max_kv_subscriptions
+        if not admin and self.by_tenant.total() >= limit:
             refuse(f"{limit} KV event streams are open; the limit is max_kv_subscriptions")
-        own = self.config.max_kv_subscriptions_per_tenant
+        own = config.max_kv_subscriptions_per_tenant
         if self.by_tenant[tenant] >= own:
             refuse(
                 f"this tenant has {own} KV event streams open; the limit is "
                 "max_kv_subscriptions_per_tenant"
             )
+        interval = config.kv_subscribe_interval
+        self.last = {t: at for t, at in self.last.items() if now - at < interval}
+        if tenant in self.last:
+            refuse(f"one new KV event stream a tenant every kv_subscribe_interval={interval}s")
+        self.last[tenant] = now
         self.by_tenant[tenant] += 1
         try:
             yield
@@ -103,9 +112,10 @@ class KvFeed:
         self.sample = 0  # the last load record's
         self.cursor = 0  # the log's sequence read up to
 
-    async def run(self, wake: asyncio.Event) -> None:
+    async def run(self, wake: asyncio.Event, closing: Callable[[], bool]) -> None:
+        """Until the client goes, or the server drains (`closing`: the stream ends, OK)."""
         await self.send_snapshot()
-        while True:
+        while not closing():
             wake.clear()  # before the read: what comes after it sets it again
             read = await self.call(self.log.read, self.cursor, self.viewer, CHUNK)
             if read is None:
@@ -126,15 +136,19 @@ class KvFeed:
                 await self.send(heartbeat)
 
     async def send_snapshot(self) -> None:
+        """KvCacheCleared, then the viewer's live blocks, in chunks, each made as it is sent."""
         blocks, self.cursor = await self.call(self.log.snapshot, self.viewer)
-        events = [common.KvCacheEvent(event_id=self.next_id(), cleared=common.KvCacheCleared())]
-        events += [self.stored(block) for block in blocks]
-        chunks = [events[i : i + CHUNK] for i in range(0, len(events), CHUNK)]
         record = await self.record(telemetry=True)
-        for index, chunk in enumerate(chunks):
-            batch = self.batch(chunk, record)
+        count = max(-(-(len(blocks) + 1) // CHUNK), 1)
+        cleared = common.KvCacheEvent(event_id=0, cleared=common.KvCacheCleared())
+        for index in range(count):
+            start = max(index * CHUNK - 1, 0)
+            part = blocks[start : (index + 1) * CHUNK - 1]
+            events = [cleared] if index == 0 else []
+            events += [self.stored(block, snapshot=True) for block in part]
+            batch = self.batch(events, record)
             batch.snapshot.CopyFrom(
-                common.KvSnapshotChunk(index=index, count=len(chunks), blocks=len(blocks))
+                common.KvSnapshotChunk(index=index, count=count, blocks=len(blocks))
             )
             await self.send(batch)
 
@@ -166,16 +180,16 @@ class KvFeed:
         )
 
     def event_of(self, event: KvEvent) -> common.KvCacheEvent:
-        if event.stored is not None:
-            return self.stored(event.stored)
+        if not event.removed:
+            return self.stored(event.block)
         removed = common.KvBlocksRemoved(
-            block_hashes=[opaque(event.block_hash)],
+            block_hashes=[opaque(event.block.block_hash)],
             tier=common.KV_CACHE_TIER_DEVICE,
             locality=common.KV_CACHE_LOCALITY_LOCAL,
         )
         return common.KvCacheEvent(event_id=self.next_id(), removed=removed)
 
-    def stored(self, block: StoredBlock) -> common.KvCacheEvent:
+    def stored(self, block: StoredBlock, snapshot: bool = False) -> common.KvCacheEvent:
         stored = common.KvBlocksStored(
             blocks=[
                 common.KvBlock(
@@ -189,7 +203,8 @@ class KvFeed:
         )
         if block.parent_hash is not None:
             stored.parent_block_hash = opaque(block.parent_hash)
-        return common.KvCacheEvent(event_id=self.next_id(), stored=stored)
+        event_id = 0 if snapshot else self.next_id()  # a snapshot's events are synthesized
+        return common.KvCacheEvent(event_id=event_id, stored=stored)
 
     def next_id(self) -> int:
         self.event_id += 1

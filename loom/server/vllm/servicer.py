@@ -34,6 +34,7 @@ from loom.server.grpc.status import status_errors
 from loom.server.grpc.wire import request_id_from
 from loom.server.load import Load, Throughput, timestamp, version
 from loom.server.relay import EngineRequest, Live, Relay
+from loom.server.traffic import DrainPhase
 from loom.server.vllm import wire
 from loom.server.vllm.config import VllmConfig
 from loom.server.vllm.framing import VllmFraming
@@ -44,6 +45,7 @@ from loom.smg import vllm_engine_pb2 as pb
 from loom.smg.vllm_engine_grpc import VllmEngineBase
 
 UNIMPLEMENTED = "not served by Loom"
+MAX_SEQUENCE = 1 << 63
 
 
 class VllmServicer(VllmEngineBase):
@@ -68,6 +70,8 @@ class VllmServicer(VllmEngineBase):
         self.bundle = TokenizerBundle()
         self.throughput = Throughput()
         self.subscriptions = Subscriptions(config)
+        self.closing = asyncio.Event()  # the drain refuses new calls: the feeds end
+        self.wakes: set[asyncio.Event] = set()  # the feeds'
 
     async def Generate(self, stream: Stream[pb.GenerateRequest, pb.GenerateResponse]) -> None:
         call = call_of(stream)
@@ -138,11 +142,14 @@ class VllmServicer(VllmEngineBase):
     ) -> None:
         await stream.recv_message()
         core = self.engine.core
-        tokenizer = core.admission.prompts.tokenizer if core is not None else None
-        if tokenizer is None:
-            why = "no tokenizer: the model is loading" if core is None else "no tokenizer"
-            raise GRPCError(Status.FAILED_PRECONDITION, why)
-        bundle = await self.bundle.get(tokenizer)
+        folder = core.loaded.tokenizer_folder if core is not None else None
+        if folder is None:
+            why = "the model is loading" if core is None else "no tokenizer files to send"
+            raise GRPCError(Status.FAILED_PRECONDITION, f"GetTokenizer: {why}")
+        try:
+            bundle = await self.bundle.get(folder)
+        except OSError as exc:
+            raise GRPCError(Status.FAILED_PRECONDITION, f"GetTokenizer: {exc}") from None
         chunks = bundle.chunks()
         for i, data in enumerate(chunks):
             digest = bundle.sha256 if i == len(chunks) - 1 else ""
@@ -156,11 +163,16 @@ class VllmServicer(VllmEngineBase):
         request = await stream.recv_message()
         if request is None:
             raise GRPCError(Status.INVALID_ARGUMENT, "no request message")
+        start = request.start_sequence_number
+        if start >= MAX_SEQUENCE:
+            raise GRPCError(
+                Status.INVALID_ARGUMENT, f"start_sequence_number must be below {MAX_SEQUENCE}"
+            )
         viewer = None if tenant.admin else tenant.name
         with status_errors():
             log = await self.bridge.call(self.engine.kv_events)
-        with self.subscriptions.held(tenant.name):
-            await self.feed(stream, log, viewer, request.start_sequence_number)
+        with self.subscriptions.held(tenant.name, tenant.admin, time.monotonic()):
+            await self.feed(stream, log, viewer, start)
 
     async def feed(self, stream: Any, log: KvEventLog, viewer: str | None, start: int) -> None:
         wake = asyncio.Event()
@@ -173,12 +185,27 @@ class VllmServicer(VllmEngineBase):
             self.bridge.call,
             partial(self.load, viewer),
         )
-        await self.bridge.call(log.listeners.add, waker)
+        self.bridge.soon(log.listeners.add, waker)  # in order: the discard comes after it
+        self.wakes.add(wake)
         try:
             with status_errors():
-                await feed.run(wake)
+                await feed.run(wake, self.closing.is_set)
         finally:
+            self.wakes.discard(wake)
             self.bridge.soon(log.listeners.discard, waker)
+
+    # The drain (a front of the traffic ledger, loom/server/traffic.py)
+
+    def enter(self, phase: DrainPhase) -> None:
+        """Once new calls are refused, the KV event streams end: a gateway's connection then
+        has nothing left open, and can close."""
+        if phase in (DrainPhase.REFUSING, DrainPhase.CLOSED):
+            self.closing.set()
+            for wake in self.wakes:
+                wake.set()
+
+    async def close(self) -> None:
+        self.enter(DrainPhase.CLOSED)
 
     async def load(self, viewer: str | None) -> pb.SchedulerLoad:
         """The engine's load now, as `viewer` may see it (None: an admin)."""

@@ -2,8 +2,12 @@
 and the engine's types, with vLLM's meanings for the fields a proto3 message cannot leave
 unset: `top_p` 0, `top_k` 0 and `repetition_penalty` 0 mean "off", `n` 0 means 1, `temperature`,
 `max_tokens`, `seed` and `logprobs` are taken only when set. What Loom cannot do is refused with
-INVALID_ARGUMENT naming the field, never dropped: images, a prefill/decode handoff, logit bias,
-prompt truncation, structural tags, all logprobs (-1)."""
+INVALID_ARGUMENT naming the field: images, a prefill/decode handoff, logit bias, prompt
+truncation, structural tags, all logprobs (-1). What shapes text alone is not read, as Loom
+sends token ids (the gateway decodes them): `skip_special_tokens` (Loom's stop strings are
+matched on text without special tokens), `spaces_between_special_tokens`,
+`include_stop_str_in_output`; and `grammar_from_first_token` (a grammar always starts at the
+first token: there is no reasoning parser to wait for)."""
 
 from __future__ import annotations
 

@@ -28,10 +28,12 @@ from loom.client.channel import SMALL_WINDOWS
 from loom.core.config import CacheConfig, SchedulerConfig
 from loom.model.loader import LoadedModel
 from loom.server.tenants import TenantConfig
+from loom.server.vllm import tokenizer_bundle
 from loom.server.vllm.config import VllmConfig
 from loom.smg import common_pb2 as common
 from loom.smg import vllm_engine_pb2 as pb
 from loom.smg.vllm_engine_grpc import VllmEngineStub
+from loom.v1 import loom_pb2 as v1
 from loom.v1.loom_grpc import LoomStub
 from tests.support.grpc_client import HOST, greedy, in_asyncio, token_ids
 from tests.support.server_harness import serving
@@ -171,12 +173,25 @@ async def abort_as_b_then_a(port: int) -> tuple[int, Any]:
             read += 1
             await abort(port, ["job"], "key-of-b")
             await asyncio.sleep(0.3)
+            a = (await admin_stats(port)).tenants["a"]
+            if not (a.num_running or a.num_waiting or await num_paused(port)):
+                return read, Status.UNKNOWN  # b's Abort reached it
             await abort(port, ["job", "unknown"], "key-of-a")
             async for _ in stream:
                 read += 1
     except GRPCError as exc:
         return read, exc.status
     return read, Status.OK
+
+
+async def admin_stats(port: int) -> Any:
+    async with Channel(HOST, port) as channel:
+        stats = LoomStub(channel).GetServerStats
+        return await stats(v1.GetServerStatsRequest(), metadata=bearer("key-of-root"))
+
+
+async def num_paused(port: int) -> int:
+    return int((await admin_stats(port)).num_paused)
 
 
 async def abort(port: int, request_ids: list[str], key: str) -> None:
@@ -225,22 +240,31 @@ async def test_vllm_reports_health_model_server_and_load(tiny_chat: LoadedModel)
     assert load.max_total_num_tokens > 0
 
 
-async def tokenizer_bundle(port: int) -> list[Any]:
+async def get_tokenizer(port: int) -> list[Any]:
     async with Channel(HOST, port) as channel:
         return list(await VllmEngineStub(channel).GetTokenizer(common.GetTokenizerRequest()))
 
 
 async def test_vllm_tokenizer_bundle_is_a_zip_a_gateway_builds_the_same_tokenizer_from(
-    tiny_chat: LoadedModel, tmp_path: Path
+    tiny_chat: LoadedModel, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
+    made: list[Path] = []
+    real = tokenizer_bundle.bundle_of
+
+    def counted(folder: Path) -> Any:
+        made.append(folder)
+        return real(folder)
+
+    monkeypatch.setattr(tokenizer_bundle, "bundle_of", counted)
     async with serving(tiny_chat) as (_, port):
         with trio.fail_after(60):
-            chunks = await in_asyncio(tokenizer_bundle, port)
-            again = await in_asyncio(tokenizer_bundle, port)
+            chunks = await in_asyncio(get_tokenizer, port)
+            again = await in_asyncio(get_tokenizer, port)
     data = b"".join(c.data for c in chunks)
     assert [c.sha256 for c in chunks[:-1]] == [""] * (len(chunks) - 1)
     assert chunks[-1].sha256 == hashlib.sha256(data).hexdigest()
-    assert b"".join(c.data for c in again) == data  # made once
+    assert b"".join(c.data for c in again) == data
+    assert made == [tiny_chat.tokenizer_folder]  # made once, from the tokenizer's files
     with zipfile.ZipFile(io.BytesIO(data)) as archive:
         names = archive.namelist()
         archive.extractall(tmp_path)
@@ -383,7 +407,9 @@ async def cancelling(stream: Any) -> Any:
 async def test_vllm_kv_subscriptions_are_capped_in_all_and_by_tenant(
     tiny_chat: LoadedModel, key_file: str
 ) -> None:
-    caps = VllmConfig(max_kv_subscriptions=3, max_kv_subscriptions_per_tenant=2)
+    caps = VllmConfig(
+        max_kv_subscriptions=3, max_kv_subscriptions_per_tenant=2, kv_subscribe_interval=0
+    )
     tenants = TenantConfig(api_key_file=key_file)
     async with serving(tiny_chat, tenants=tenants, vllm=caps) as (_, port):
         with trio.fail_after(60):
@@ -397,3 +423,36 @@ async def test_vllm_kv_subscriptions_are_capped_in_all_and_by_tenant(
     ]
     assert "max_kv_subscriptions_per_tenant" in results[2][1]
     assert "the limit is max_kv_subscriptions" in results[4][1]
+
+
+async def subscribe_twice(port: int, keys: tuple[str, ...]) -> list[str]:
+    """A subscription for each key in turn, each held open: how each began."""
+    results: list[str] = []
+    async with contextlib.AsyncExitStack() as stack:
+        for key in keys:
+            channel = await stack.enter_async_context(Channel(HOST, port))
+            stream = await stack.enter_async_context(
+                VllmEngineStub(channel).SubscribeKvEvents.open(metadata=bearer(key))
+            )
+            await stream.send_message(common.SubscribeKvEventsRequest(), end=True)
+            try:
+                await stream.recv_message()
+                results.append("open")
+            except GRPCError as exc:
+                results.append(exc.message or "")
+            await stack.enter_async_context(cancelling(stream))
+    return results
+
+
+async def test_vllm_a_tenant_subscribes_at_most_once_an_interval(
+    tiny_chat: LoadedModel, key_file: str
+) -> None:
+    """Each subscription walks the tenant's cached blocks in the engine's thread: a tenant
+    that subscribes and drops in a loop is held to one a second."""
+    tenants = TenantConfig(api_key_file=key_file)
+    async with serving(tiny_chat, tenants=tenants) as (_, port):
+        with trio.fail_after(60):
+            results = await in_asyncio(subscribe_twice, port, ("key-of-a", "key-of-a", "key-of-b"))
+    assert results[0] == "open"
+    assert "kv_subscribe_interval=1.0s" in results[1]
+    assert results[2] == "open"  # another tenant's is not held back
