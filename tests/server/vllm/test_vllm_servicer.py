@@ -456,3 +456,24 @@ async def test_vllm_a_tenant_subscribes_at_most_once_an_interval(
     assert results[0] == "open"
     assert "kv_subscribe_interval=1.0s" in results[1]
     assert results[2] == "open"  # another tenant's is not held back
+
+
+async def test_vllm_a_whole_answer_holds_a_bounded_number_of_logprobs(
+    tiny_chat: LoadedModel,
+) -> None:
+    """16 choices of 400 tokens with 20 alternatives each would hold 134,400 log-probabilities
+    in the I/O thread until the end: refused once past MAX_WHOLE_LOGPROBS (131,072), naming
+    `logprobs`; streamed, the same request is answered."""
+    whole = generate_request(n=16, logprobs=20)
+    whole.sampling_params.max_tokens = 400
+    streamed = generate_request(n=16, stream=True, logprobs=20)
+    streamed.sampling_params.max_tokens = 400
+    async with serving(tiny_chat, scheduler=SchedulerConfig(max_num_seqs=16)) as (_, port):
+        with trio.fail_after(120):
+            with pytest.raises(GRPCError) as refused:
+                await in_asyncio(vllm_generate, port, whole)
+            replies = await in_asyncio(vllm_generate, port, streamed)
+    assert refused.value.status is Status.INVALID_ARGUMENT
+    assert "logprobs: a whole answer holds at most 131072" in (refused.value.message or "")
+    completes = [r.complete for r in replies if r.WhichOneof("response") == "complete"]
+    assert len(completes) == 16
