@@ -79,16 +79,20 @@ def workload(seed: int) -> list[str]:
     return prompts
 
 
-def send_all(url: str, prompts: list[str]) -> None:
+def send_all(url: str, prompts: list[str], pause: float = 0.0) -> None:
+    """Each prompt in turn, `pause` seconds after the answer before the next."""
     with OpenAI(base_url=f"{url}/v1", api_key="none", max_retries=0, timeout=30) as client:
         for prompt in prompts:
             client.completions.create(model=MODEL, prompt=prompt, max_tokens=4, temperature=0)
+            time.sleep(pause)
 
 
 def hits_of(replicas: list[int], url: str, prompts: list[str]) -> list[int]:
-    """Each replica's prefix-cache hits (tokens) while `prompts` go to `url`, in order."""
+    """Each replica's prefix-cache hits (tokens) while `prompts` go to `url`, in order, 0.1 s
+    apart (the gateway reads a replica's KV events as they come: on a loaded machine, a
+    request sent at once after the last could be routed before them)."""
     before = hits(replicas)
-    send_all(url, prompts)
+    send_all(url, prompts, pause=0.1)
     time.sleep(0.2)
     return [after - then for after, then in zip(hits(replicas), before, strict=True)]
 
