@@ -33,7 +33,7 @@ from loom.core.request import Request
 from loom.core.request_output import RequestOutput
 from loom.core.scheduler import Scheduler
 from loom.engine.metrics import EngineMetrics, log_request
-from loom.engine.stats import EngineStats, TenantLedger, TenantStats
+from loom.engine.stats import EngineStats, TenantLedger, TenantStats, Throughput
 
 TENANT_STATS_EVERY = 1.0  # seconds between the published per-tenant figures, while stepping
 
@@ -47,6 +47,7 @@ class Observer:
         self.published_shape = (0, 0, 0)
         self.tenants: dict[str, TenantStats] = {}
         self.tenants_at = float("-inf")
+        self.throughput = Throughput()
         self.changed = trio.Event()  # set at the next change of the engine's state
 
     def state_changed(self) -> None:
@@ -94,7 +95,11 @@ class Observer:
     ) -> EngineStats:
         """The figures now; by tenant, every tenant's or (`tenant`) that one's alone."""
         tenants = self.ledger.of(scheduler, pending, tenant)
-        return EngineStats.of(scheduler, pending, tenants, viewer=tenant)
+        return EngineStats.of(scheduler, pending, tenants, self.rate(scheduler), viewer=tenant)
+
+    def rate(self, scheduler: Scheduler) -> float:
+        """The generation rate, as the stats report it (every tenant's)."""
+        return self.throughput.rate(scheduler.num_generated_tokens, time.monotonic())
 
     def publish(
         self, scheduler: Scheduler, pending_of: Callable[[], Counter[str]], every: float = 0.0
@@ -108,5 +113,5 @@ class Observer:
             if not every or now - self.tenants_at >= TENANT_STATS_EVERY:
                 self.tenants = self.ledger.of(scheduler, pending, None)
                 self.tenants_at = now
-            self.published = EngineStats.of(scheduler, pending, self.tenants)
+            self.published = EngineStats.of(scheduler, pending, self.tenants, self.rate(scheduler))
             self.published_at, self.published_shape = now, shape

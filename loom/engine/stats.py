@@ -97,16 +97,17 @@ class EngineStats:
     num_free_blocks: int
     num_preemptions: int
     num_chunked_prefills: int
+    # The token and prefix-cache figures are a viewer's own (no tenant sees another's prompt
+    # lengths or cache hits), every tenant's without one (an admin, the metrics port).
     num_prompt_tokens: int  # admitted prompt tokens, all time
     num_generated_tokens: int  # sampled tokens, all time
     finished: dict[str, int]  # finished requests by finish reason
     num_cached_blocks: int  # holding a reusable prefix, free (evictable) or held
     prefix_cache_queries: int  # tokens of the requests admitted, all time
     prefix_cache_hits: int  # of those, found in the prefix cache
-    tenants: dict[str, TenantStats]
-    # Prompt tokens of the queued requests (not paused): the viewer's own, as its prompt
-    # lengths are (every tenant's, for an admin).
-    num_waiting_tokens: int
+    tenants: dict[str, TenantStats]  # each the viewer may see: its own, or all
+    num_waiting_tokens: int  # prompt tokens of the queued requests (not paused)
+    gen_throughput: float  # tokens generated a second, every tenant's, lately (Throughput)
 
     @classmethod
     def of(
@@ -114,8 +115,16 @@ class EngineStats:
         scheduler: Scheduler,
         pending: Counter[str],
         tenants: dict[str, TenantStats],
+        gen_throughput: float,
         viewer: str | None = None,
     ) -> EngineStats:
+        """The figures as `viewer` may see them (`tenants`: that tenant's alone, then)."""
+        prompt, generated = scheduler.num_prompt_tokens, scheduler.num_generated_tokens
+        queries, hits = scheduler.prefix_cache_queries, scheduler.prefix_cache_hits
+        if viewer is not None:
+            own = tenants[viewer]
+            prompt, generated = own.num_prompt_tokens, own.num_generated_tokens
+            queries, hits = own.num_prompt_tokens, own.num_cached_tokens
         return cls(
             num_running=scheduler.num_active(),
             num_waiting=scheduler.num_waiting() + pending.total(),
@@ -124,15 +133,36 @@ class EngineStats:
             num_free_blocks=scheduler.block_manager.num_free_blocks,
             num_preemptions=scheduler.num_preemptions,
             num_chunked_prefills=scheduler.num_chunked_prefills,
-            num_prompt_tokens=scheduler.num_prompt_tokens,
-            num_generated_tokens=scheduler.num_generated_tokens,
+            num_prompt_tokens=prompt,
+            num_generated_tokens=generated,
             finished={reason.value: n for reason, n in scheduler.finished.items()},
             num_cached_blocks=scheduler.block_manager.num_cached_blocks,
-            prefix_cache_queries=scheduler.prefix_cache_queries,
-            prefix_cache_hits=scheduler.prefix_cache_hits,
+            prefix_cache_queries=queries,
+            prefix_cache_hits=hits,
             tenants=tenants,
             num_waiting_tokens=scheduler.num_waiting_tokens(viewer),
+            gen_throughput=gen_throughput,
         )
+
+
+class Throughput:
+    """The generation rate between two samples at least WINDOW apart (the last rate in
+    between; 0 before the second)."""
+
+    WINDOW = 1.0  # seconds
+
+    def __init__(self) -> None:
+        self.since: tuple[float, int] | None = None  # (when, tokens generated then)
+        self.last = 0.0
+
+    def rate(self, num_generated_tokens: int, now: float) -> float:
+        if self.since is None:
+            self.since = (now, num_generated_tokens)
+        elif now - self.since[0] >= self.WINDOW:
+            then, before = self.since
+            self.last = max(num_generated_tokens - before, 0) / (now - then)
+            self.since = (now, num_generated_tokens)
+        return self.last
 
 
 @attrs.frozen(kw_only=True)

@@ -3,22 +3,21 @@ KV-event load records, loom/server/vllm/; the HTTP port's /v1/loads and /metrics
 loom/server/openai/loads.py), in the names of vLLM's and SGLang's SchedulerLoad.
 
 The gauges are the server's; what depends on prompts (the prefix cache's hit rate, the queued
-prompt tokens) is the viewer's own, every tenant's for an admin (`viewer` None), as its stats
-are (loom/server/grpc/wire.py).
+prompt tokens) is the viewer's own, every tenant's for an admin (`viewer` None), as the
+engine's stats for that viewer are (Engine.stats).
 """
 
 from __future__ import annotations
 
 import datetime
 import importlib.metadata
-import time
 from typing import Any
 
 import attrs
 
+from loom.engine.engine import Engine
 from loom.engine.stats import EngineStats, ModelInfo
-
-WINDOW = 1.0  # seconds: the least time between two samples of the generation rate
+from loom.server.bridge import TrioBridge
 
 
 @attrs.frozen(kw_only=True)
@@ -37,13 +36,8 @@ class Load:
     num_waiting_uncached_tokens: int
 
     @classmethod
-    def of(
-        cls, stats: EngineStats, info: ModelInfo, gen_throughput: float, viewer: str | None
-    ) -> Load:
-        hits, queries = stats.prefix_cache_hits, stats.prefix_cache_queries
-        if viewer is not None:
-            own = stats.tenants[viewer]
-            hits, queries = own.num_cached_tokens, own.num_prompt_tokens
+    def of(cls, stats: EngineStats, info: ModelInfo) -> Load:
+        """From the engine's stats as the caller may see them (Engine.stats)."""
         used = stats.num_total_blocks - stats.num_free_blocks
         usage = used / stats.num_total_blocks if stats.num_total_blocks else 0.0
         return cls(
@@ -54,30 +48,20 @@ class Load:
             max_total_num_tokens=stats.num_total_blocks * info.block_size,
             token_usage=usage,
             utilization=usage,
-            gen_throughput=gen_throughput,
-            cache_hit_rate=hits / max(queries, 1),
+            gen_throughput=stats.gen_throughput,
+            cache_hit_rate=stats.prefix_cache_hits / max(stats.prefix_cache_queries, 1),
             max_running_requests=info.max_num_seqs,
             num_waiting_uncached_tokens=stats.num_waiting_tokens,
         )
 
 
-class Throughput:
-    """The generation rate between two samples at least WINDOW apart (the last rate in
-    between; 0 before the second)."""
-
-    def __init__(self) -> None:
-        self.since: tuple[float, int] | None = None  # (when, tokens generated then)
-        self.last = 0.0
-
-    def rate(self, num_generated_tokens: int, now: float | None = None) -> float:
-        now = time.monotonic() if now is None else now
-        if self.since is None:
-            self.since = (now, num_generated_tokens)
-        elif now - self.since[0] >= WINDOW:
-            then, before = self.since
-            self.last = max(num_generated_tokens - before, 0) / (now - then)
-            self.since = (now, num_generated_tokens)
-        return self.last
+async def load_now(
+    engine: Engine, bridge: TrioBridge, viewer: str | None
+) -> tuple[Load, EngineStats]:
+    """The load now as `viewer` may see it (None: an admin), and the stats it comes from."""
+    info = await bridge.call(engine.model_info)
+    stats = await bridge.call(engine.stats, viewer)
+    return Load.of(stats, info), stats
 
 
 def timestamp() -> str:

@@ -217,7 +217,7 @@ class GetServerStatsRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class ServerStats(_message.Message):
-    __slots__ = ("num_running", "num_waiting", "num_paused", "num_total_blocks", "num_free_blocks", "num_preemptions", "num_chunked_prefills", "num_prompt_tokens", "num_generated_tokens", "finished", "num_cached_blocks", "prefix_cache_queries", "prefix_cache_hits", "tenants", "num_waiting_tokens")
+    __slots__ = ("num_running", "num_waiting", "num_paused", "num_total_blocks", "num_free_blocks", "num_preemptions", "num_chunked_prefills", "num_prompt_tokens", "num_generated_tokens", "finished", "num_cached_blocks", "prefix_cache_queries", "prefix_cache_hits", "tenants", "num_waiting_tokens", "gen_throughput")
     class FinishedEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -247,6 +247,7 @@ class ServerStats(_message.Message):
     PREFIX_CACHE_HITS_FIELD_NUMBER: _ClassVar[int]
     TENANTS_FIELD_NUMBER: _ClassVar[int]
     NUM_WAITING_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    GEN_THROUGHPUT_FIELD_NUMBER: _ClassVar[int]
     num_running: int
     num_waiting: int
     num_paused: int
@@ -262,7 +263,8 @@ class ServerStats(_message.Message):
     prefix_cache_hits: int
     tenants: _containers.MessageMap[str, TenantStats]
     num_waiting_tokens: int
-    def __init__(self, num_running: _Optional[int] = ..., num_waiting: _Optional[int] = ..., num_paused: _Optional[int] = ..., num_total_blocks: _Optional[int] = ..., num_free_blocks: _Optional[int] = ..., num_preemptions: _Optional[int] = ..., num_chunked_prefills: _Optional[int] = ..., num_prompt_tokens: _Optional[int] = ..., num_generated_tokens: _Optional[int] = ..., finished: _Optional[_Mapping[str, int]] = ..., num_cached_blocks: _Optional[int] = ..., prefix_cache_queries: _Optional[int] = ..., prefix_cache_hits: _Optional[int] = ..., tenants: _Optional[_Mapping[str, TenantStats]] = ..., num_waiting_tokens: _Optional[int] = ...) -> None: ...
+    gen_throughput: float
+    def __init__(self, num_running: _Optional[int] = ..., num_waiting: _Optional[int] = ..., num_paused: _Optional[int] = ..., num_total_blocks: _Optional[int] = ..., num_free_blocks: _Optional[int] = ..., num_preemptions: _Optional[int] = ..., num_chunked_prefills: _Optional[int] = ..., num_prompt_tokens: _Optional[int] = ..., num_generated_tokens: _Optional[int] = ..., finished: _Optional[_Mapping[str, int]] = ..., num_cached_blocks: _Optional[int] = ..., prefix_cache_queries: _Optional[int] = ..., prefix_cache_hits: _Optional[int] = ..., tenants: _Optional[_Mapping[str, TenantStats]] = ..., num_waiting_tokens: _Optional[int] = ..., gen_throughput: _Optional[float] = ...) -> None: ...
 
 class TenantStats(_message.Message):
     __slots__ = ("num_running", "num_waiting", "num_prompt_tokens", "num_generated_tokens", "num_refused", "weight", "num_cached_tokens")

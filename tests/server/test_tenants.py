@@ -26,22 +26,10 @@ from loom.model.loader import LoadedModel
 from loom.server.tenants import TenantConfig, Tenants
 from loom.v1 import loom_pb2 as pb
 from loom.v1.loom_grpc import LoomStub
-from tests.support.grpc_client import HOST, greedy, in_asyncio, token_ids
+from tests.support.grpc_client import HOST, bearer, greedy, in_asyncio, token_ids
 from tests.support.server_harness import serving
 
 GENERATE = "/loom.v1.Loom/Generate"
-KEYS = "key-of-a a\nkey-of-b b weight=2  # b counts double\nkey-of-root ops admin\n"
-
-
-@pytest.fixture
-def key_file(tmp_path: Path) -> str:
-    path = tmp_path / "keys"
-    path.write_text(KEYS)
-    return str(path)
-
-
-def bearer(key: str) -> dict[str, str]:
-    return {"authorization": f"Bearer {key}"}
 
 
 async def generate(port: int, request: pb.GenerateRequest, **metadata: str) -> list[int]:

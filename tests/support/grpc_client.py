@@ -25,6 +25,11 @@ async def in_asyncio(fn: Callable[..., Awaitable[T]], *args: Any, **kwargs: Any)
     return await trio.to_thread.run_sync(lambda: run_client(fn, *args, **kwargs))
 
 
+def bearer(key: str) -> dict[str, str]:
+    """A call's metadata presenting an API key."""
+    return {"authorization": f"Bearer {key}"}
+
+
 def run_client(fn: Callable[..., Awaitable[T]], *args: Any, **kwargs: Any) -> T:
     """`asyncio.run(fn(...))`, and no socket outlives the loop.
 

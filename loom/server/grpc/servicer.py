@@ -121,7 +121,7 @@ class LoomServicer(LoomBase):
         viewer = None if tenant.admin else tenant.name
         with status_errors():
             stats = await self.bridge.call(self.engine.stats, viewer)
-        await stream.send_message(wire.stats_message(stats, viewer))
+        await stream.send_message(wire.stats_message(stats))
 
     async def Abort(self, stream: Stream[pb.AbortRequest, pb.AbortResponse]) -> None:
         num_aborted = await abort_labelled(stream, self.live)

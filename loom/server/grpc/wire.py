@@ -134,17 +134,11 @@ def final_from(outputs: Sequence[RequestOutput], request_id: str) -> pb.Final:
     )
 
 
-def stats_message(stats: EngineStats, viewer: str | None) -> pb.ServerStats:
-    """What a tenant may see: the server's gauges, and its own token and cache figures and
-    nobody else's (`viewer` None: an admin, who sees all)."""
+def stats_message(stats: EngineStats) -> pb.ServerStats:
+    """The engine's stats as its viewer may see them (Engine.stats: the server's gauges, and
+    the viewer's own token and cache figures, or everyone's for an admin)."""
     fields = attrs.asdict(stats, recurse=False)
     tenants = fields.pop("tenants")
-    if viewer is not None:  # (the engine's stats for one tenant hold that tenant's alone)
-        own = tenants[viewer]
-        tenants = {viewer: own}
-        fields["num_prompt_tokens"] = fields["prefix_cache_queries"] = own.num_prompt_tokens
-        fields["num_generated_tokens"] = own.num_generated_tokens
-        fields["prefix_cache_hits"] = own.num_cached_tokens
     message = pb.ServerStats(**fields)
     for name, figures in tenants.items():
         message.tenants[name].CopyFrom(tenant_message(figures))

@@ -19,7 +19,7 @@ from prometheus_client.registry import Collector
 from loom.engine.engine import Engine
 from loom.engine.stats import EngineStats
 from loom.server.bridge import TrioBridge
-from loom.server.load import Load, Throughput, loads_document
+from loom.server.load import Load, load_now, loads_document
 
 PROMETHEUS_TEXT = "text/plain; version=0.0.4; charset=utf-8"
 
@@ -28,22 +28,15 @@ class LoadReports:
     def __init__(self, engine: Engine, bridge: TrioBridge) -> None:
         self.engine = engine
         self.bridge = bridge
-        self.throughput = Throughput()
-
-    async def load(self, viewer: str | None) -> tuple[Load, EngineStats]:
-        info = await self.bridge.call(self.engine.model_info)
-        stats = await self.bridge.call(self.engine.stats, viewer)
-        rate = self.throughput.rate(stats.num_generated_tokens)
-        return Load.of(stats, info, rate, viewer), stats
 
     async def loads(self, viewer: str | None) -> bytes:
-        load, _ = await self.load(viewer)
+        load, _ = await load_now(self.engine, self.bridge, viewer)
         return json.dumps(loads_document(load)).encode()
 
     async def metrics(self, viewer: str | None, model_name: str) -> bytes:
-        load, stats = await self.load(viewer)
+        load, stats = await load_now(self.engine, self.bridge, viewer)
         registry = CollectorRegistry()
-        registry.register(ViewCollector(load, stats, viewer, model_name))
+        registry.register(ViewCollector(load, stats, model_name))
         return generate_latest(registry)
 
 
@@ -51,17 +44,11 @@ class ViewCollector(Collector):
     """One caller's view, once, under vLLM's names (Loom's own, `loom:...`, are the metrics
     port's, every tenant's: a scraper of both never mixes the two views)."""
 
-    def __init__(self, load: Load, stats: EngineStats, viewer: str | None, model: str) -> None:
-        self.load, self.stats, self.viewer, self.model = load, stats, viewer, model
+    def __init__(self, load: Load, stats: EngineStats, model: str) -> None:
+        self.load, self.stats, self.model = load, stats, model
 
     def collect(self) -> Iterator[Metric]:
-        load, stats = self.load, self.stats
-        prompt, generated = stats.num_prompt_tokens, stats.num_generated_tokens
-        queries, hits = stats.prefix_cache_queries, stats.prefix_cache_hits
-        if self.viewer is not None:
-            own = stats.tenants[self.viewer]
-            prompt, generated = own.num_prompt_tokens, own.num_generated_tokens
-            queries, hits = own.num_prompt_tokens, own.num_cached_tokens
+        load, stats = self.load, self.stats  # (the stats: the caller's own figures)
         gauges = {
             "num_requests_running": ("Requests in the batch", load.num_running_reqs),
             "num_requests_waiting": ("Requests queued", load.num_waiting_reqs),
@@ -69,10 +56,10 @@ class ViewCollector(Collector):
             "gpu_prefix_cache_hit_rate": ("Prefix-cache hits of queries", load.cache_hit_rate),
         }
         counters = {
-            "prompt_tokens": ("Prompt tokens admitted", prompt),
-            "generation_tokens": ("Tokens generated", generated),
-            "prefix_cache_queries": ("Tokens looked up in the prefix cache", queries),
-            "prefix_cache_hits": ("Of those, found", hits),
+            "prompt_tokens": ("Prompt tokens admitted", stats.num_prompt_tokens),
+            "generation_tokens": ("Tokens generated", stats.num_generated_tokens),
+            "prefix_cache_queries": ("Tokens looked up", stats.prefix_cache_queries),
+            "prefix_cache_hits": ("Of those, found", stats.prefix_cache_hits),
         }
         for name, (doc, value) in gauges.items():
             gauge = GaugeMetricFamily(f"vllm:{name}", doc, labels=["model_name"])

@@ -32,7 +32,7 @@ from loom.server.bridge import TrioBridge
 from loom.server.grpc.servicer import abort_labelled, call_of, generate_request
 from loom.server.grpc.status import status_errors
 from loom.server.grpc.wire import request_id_from
-from loom.server.load import Load, Throughput, timestamp, version
+from loom.server.load import load_now, timestamp, version
 from loom.server.relay import EngineRequest, Live, Relay
 from loom.server.traffic import DrainPhase
 from loom.server.vllm import wire
@@ -68,7 +68,6 @@ class VllmServicer(VllmEngineBase):
         self.max_choices = max_choices
         self.started = time.monotonic()
         self.bundle = TokenizerBundle()
-        self.throughput = Throughput()
         self.subscriptions = Subscriptions(config)
         self.closing = asyncio.Event()  # the drain refuses new calls: the feeds end
         self.wakes: set[asyncio.Event] = set()  # the feeds'
@@ -209,10 +208,8 @@ class VllmServicer(VllmEngineBase):
 
     async def load(self, viewer: str | None) -> pb.SchedulerLoad:
         """The engine's load now, as `viewer` may see it (None: an admin)."""
-        info = await self.bridge.call(self.engine.model_info)
-        stats = await self.bridge.call(self.engine.stats, viewer)
-        rate = self.throughput.rate(stats.num_generated_tokens)
-        return wire.scheduler_load(Load.of(stats, info, rate, viewer))
+        load, _ = await load_now(self.engine, self.bridge, viewer)
+        return wire.scheduler_load(load)
 
     async def Embed(self, stream: Stream[pb.EmbedRequest, pb.EmbedResponse]) -> None:
         raise GRPCError(Status.UNIMPLEMENTED, UNIMPLEMENTED)

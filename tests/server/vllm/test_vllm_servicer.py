@@ -35,7 +35,7 @@ from loom.smg import vllm_engine_pb2 as pb
 from loom.smg.vllm_engine_grpc import VllmEngineStub
 from loom.v1 import loom_pb2 as v1
 from loom.v1.loom_grpc import LoomStub
-from tests.support.grpc_client import HOST, greedy, in_asyncio, token_ids
+from tests.support.grpc_client import HOST, bearer, greedy, in_asyncio, token_ids
 from tests.support.server_harness import serving
 
 PROMPT = [1, 5, 9, 200, 31, 7]
@@ -139,20 +139,6 @@ async def test_vllm_refuses_what_it_cannot_do_naming_the_field(
             await in_asyncio(vllm_generate, port, request)
     assert refused.value.status is Status.INVALID_ARGUMENT
     assert field in (refused.value.message or "")
-
-
-KEYS = "key-of-a a\nkey-of-b b\nkey-of-root ops admin\n"
-
-
-@pytest.fixture
-def key_file(tmp_path: Path) -> str:
-    path = tmp_path / "keys"
-    path.write_text(KEYS)
-    return str(path)
-
-
-def bearer(key: str) -> dict[str, str]:
-    return {"authorization": f"Bearer {key}"}
 
 
 async def abort_as_b_then_a(port: int) -> tuple[int, Any]:
@@ -375,17 +361,18 @@ async def test_vllm_kv_events_follow_blocks_stored_and_evicted_live(
     )
 
 
-async def subscribe_until_refused(port: int) -> list[tuple[str, str]]:
-    """Subscriptions held open, in turn: a's three, then b's two; how each ended ("open", or
-    the refusal's status and message)."""
+async def subscriptions(port: int, keys: tuple[str, ...], start: int = 0) -> list[tuple[str, str]]:
+    """A subscription for each key in turn, each held open: how each began ("open", or the
+    refusal's status and message)."""
     results: list[tuple[str, str]] = []
+    request = common.SubscribeKvEventsRequest(start_sequence_number=start)
     async with contextlib.AsyncExitStack() as stack:
-        for key in ("key-of-a", "key-of-a", "key-of-a", "key-of-b", "key-of-b"):
+        for key in keys:
             channel = await stack.enter_async_context(Channel(HOST, port))
             stream = await stack.enter_async_context(
                 VllmEngineStub(channel).SubscribeKvEvents.open(metadata=bearer(key))
             )
-            await stream.send_message(common.SubscribeKvEventsRequest(), end=True)
+            await stream.send_message(request, end=True)
             try:
                 await stream.recv_message()  # the snapshot: it is open
                 results.append(("open", ""))
@@ -413,7 +400,8 @@ async def test_vllm_kv_subscriptions_are_capped_in_all_and_by_tenant(
     tenants = TenantConfig(api_key_file=key_file)
     async with serving(tiny_chat, tenants=tenants, vllm=caps) as (_, port):
         with trio.fail_after(60):
-            results = await in_asyncio(subscribe_until_refused, port)
+            keys = ("key-of-a", "key-of-a", "key-of-a", "key-of-b", "key-of-b")
+            results = await in_asyncio(subscriptions, port, keys)
     assert [status for status, _ in results] == [
         "open",
         "open",
@@ -425,26 +413,7 @@ async def test_vllm_kv_subscriptions_are_capped_in_all_and_by_tenant(
     assert "the limit is max_kv_subscriptions" in results[4][1]
 
 
-async def subscribe_twice(port: int, keys: tuple[str, ...]) -> list[str]:
-    """A subscription for each key in turn, each held open: how each began."""
-    results: list[str] = []
-    async with contextlib.AsyncExitStack() as stack:
-        for key in keys:
-            channel = await stack.enter_async_context(Channel(HOST, port))
-            stream = await stack.enter_async_context(
-                VllmEngineStub(channel).SubscribeKvEvents.open(metadata=bearer(key))
-            )
-            await stream.send_message(common.SubscribeKvEventsRequest(), end=True)
-            try:
-                await stream.recv_message()
-                results.append("open")
-            except GRPCError as exc:
-                results.append(exc.message or "")
-            await stack.enter_async_context(cancelling(stream))
-    return results
-
-
-async def test_vllm_a_tenant_subscribes_at_most_once_an_interval(
+async def test_vllm_a_tenant_subscribes_at_most_once_an_interval_from_a_cursor_in_range(
     tiny_chat: LoadedModel, key_file: str
 ) -> None:
     """Each subscription walks the tenant's cached blocks in the engine's thread: a tenant
@@ -452,10 +421,16 @@ async def test_vllm_a_tenant_subscribes_at_most_once_an_interval(
     tenants = TenantConfig(api_key_file=key_file)
     async with serving(tiny_chat, tenants=tenants) as (_, port):
         with trio.fail_after(60):
-            results = await in_asyncio(subscribe_twice, port, ("key-of-a", "key-of-a", "key-of-b"))
-    assert results[0] == "open"
-    assert "kv_subscribe_interval=1.0s" in results[1]
-    assert results[2] == "open"  # another tenant's is not held back
+            keys = ("key-of-a", "key-of-a", "key-of-b")
+            results = await in_asyncio(subscriptions, port, keys)
+            beyond = await in_asyncio(subscriptions, port, ("key-of-root",), 1 << 63)
+    assert results[0] == ("open", "")
+    assert results[1][0] == "RESOURCE_EXHAUSTED"
+    assert "kv_subscribe_interval=1.0s" in results[1][1]
+    assert results[2] == ("open", "")  # another tenant's is not held back
+    ((status, message),) = beyond
+    assert status == "INVALID_ARGUMENT"
+    assert "start_sequence_number must be below" in message
 
 
 async def test_vllm_a_whole_answer_holds_a_bounded_number_of_logprobs(
