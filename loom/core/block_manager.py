@@ -196,6 +196,18 @@ class BlockManager:
             table[i] = NULL_BLOCK
             i -= 1
 
+    def trim(self, request_id: str, num_tokens: int) -> None:
+        """Release the request's blocks past those holding its first `num_tokens` tokens
+        (taken for draft tokens a step rejected). Such a block holds no full block of the
+        request's tokens, so it is never cached."""
+        table = self._tables.get(request_id)
+        keep = num_blocks_for(num_tokens, self.block_size)
+        while table is not None and len(table) > keep:
+            block_id = table.pop()
+            if block_id in self._hash_of:
+                raise ValueError(f"request {request_id}: trimmed block {block_id} is cached")
+            self.release(block_id)
+
     def free(self, request_id: str) -> None:
         """Release the request's blocks. Idempotent; unknown ids are ignored.
 

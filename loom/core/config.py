@@ -7,6 +7,7 @@ from collections.abc import Callable
 import attrs
 
 from loom.core.setting import at_least, byte_size, in_range, setting
+from loom.core.speculative import SpeculativeConfig
 
 
 @attrs.frozen(kw_only=True)
@@ -77,6 +78,7 @@ class SchedulerConfig:
         "tenant's first; one always runs",
         check=in_range(0, 60, low_open=True),
     )
+    speculative: SpeculativeConfig = attrs.field(factory=SpeculativeConfig)
 
 
 @attrs.frozen(kw_only=True)

@@ -77,6 +77,21 @@ class OutputProcessor:
         )
 
 
+def merged(deltas: list[RequestOutput]) -> RequestOutput:
+    """One delta for a request's tokens of one step (with drafts accepted, several): their
+    tokens, text and logprobs in order, the first's prompt logprobs, the last's stop."""
+    if len(deltas) == 1:
+        return deltas[0]
+    return attrs.evolve(
+        deltas[-1],
+        token_ids=tuple(t for d in deltas for t in d.token_ids),
+        text="".join(d.text for d in deltas),
+        logprobs=tuple(lp for d in deltas for lp in d.logprobs),
+        prompt_token_ids=deltas[0].prompt_token_ids,
+        prompt_logprobs=deltas[0].prompt_logprobs,
+    )
+
+
 def stop_token(request: Request) -> int | None:
     """The stop token id that ended the request, if one of `stop_token_ids` did and it is not
     the model's EOS (vLLM's `stop_reason`: the EOS is checked first)."""

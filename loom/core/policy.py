@@ -17,9 +17,11 @@ the first victims whatever the policy (loom/core/scheduler.py).
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Iterator
+from collections import Counter
+from collections.abc import Callable, Iterable, Iterator
 from typing import Protocol
 
+from loom.core.block_manager import BlockManager
 from loom.core.fair_share import FairShare
 from loom.core.request import Request
 
@@ -113,3 +115,40 @@ def victim_of(candidates: list[Request], policy: Policy) -> Request:
     if paused:
         return min(paused, key=lambda r: r.paused_since or 0.0)
     return max(reversed(candidates), key=policy.victim_key)
+
+
+def make_room(
+    blocks: BlockManager,
+    request_id: str,
+    num_tokens: int,
+    cached: list[int],
+    running: list[Request],
+    policy: Policy,
+    preempt: Callable[[Request], None],
+) -> bool:
+    """Whether blocks for `num_tokens` of a waiting request (with its `cached` prefix) are
+    free, after preempting paused requests of `running` if that frees enough (and only then),
+    the longest paused first."""
+
+    def short() -> int:  # blocks lacking
+        return blocks.num_blocks_needed(request_id, num_tokens, cached) - blocks.num_free_blocks
+
+    if short() <= 0:
+        return True  # the common case, without looking through the running requests
+    paused = [r for r in running if r.paused]
+    if short() > num_freeable(blocks, paused, cached):
+        return False
+    while paused and short() > 0:
+        victim = victim_of(paused, policy)  # all paused: the longest paused
+        paused.remove(victim)
+        preempt(victim)
+    return short() <= 0
+
+
+def num_freeable(blocks: BlockManager, paused: list[Request], cached: list[int]) -> int:
+    """Blocks that preempting all of `paused` would free for a request taking `cached`: those
+    that no one else holds (a block shared with a running request stays held, and one of the
+    request's own prefix would be taken again)."""
+    holders = Counter(b for r in paused for b in blocks.block_table(r.request_id))
+    keep = set(cached)
+    return sum(blocks.ref_count(b) == n and b not in keep for b, n in holders.items())

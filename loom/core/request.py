@@ -89,6 +89,11 @@ class Request:
     tenancy: Tenancy = SHARED
     prompt_logprobs: list[Logprobs] = attrs.field(factory=list)  # of prompt tokens 1.. (asked)
     matcher: Matcher | None = None  # its constraint's state, advanced by each output token
+    # Speculative decoding (loom/core/speculative.py): its tokens as the proposer searches
+    # them, and the draft tokens it verified and accepted, all time.
+    token_bytes: bytearray = attrs.field(init=False, factory=bytearray, repr=False)
+    num_draft_tokens: int = 0
+    num_accepted_tokens: int = 0
 
     @property
     def tenant(self) -> str:

@@ -45,6 +45,9 @@ class SamplingParams:
     prompt_logprobs: int | None = None
     # What the output must match (structured outputs); its grammar decides where it ends.
     constraint: Constraint | None = None
+    # Loom's: False keeps this request's steps free of draft tokens when speculative decoding
+    # is on (its output is the same either way; only its speed and its steps' cost differ).
+    speculative: bool = True
 
     def __attrs_post_init__(self) -> None:
         check_range("temperature", self.temperature, 0.0, 100.0)

@@ -5,7 +5,10 @@ output). Every step hands out at most `max_num_batched_tokens` tokens over at mo
 `max_num_seqs` sequences. There is no separate prefill phase: a running request gets what it
 lacks, up to the budget left (a decode needs one token, a long prompt takes a chunk), so prompts
 are prefilled in chunks alongside running decodes. A request whose tokens are all computed
-after a step samples a new token.
+after a step samples a new token. With speculative decoding (loom/core/speculative.py) a
+request in its decode phase also computes draft tokens, within the budget and only if blocks
+for them are free; `update` keeps the accepted ones, rolls `num_computed_tokens` back past the
+rejected ones and releases the blocks that held only those.
 
 Order: running requests first, in arrival order, skipping paused ones (their consumer's buffer
 is full). When a running request cannot get blocks, a victim is preempted: its blocks are freed,
@@ -49,12 +52,13 @@ from loom.core.block_manager import BlockManager
 from loom.core.config import SchedulerConfig
 from loom.core.fair_share import FairShare
 from loom.core.mask_budget import within_mask_budget
-from loom.core.output_processor import OutputProcessor
-from loom.core.policy import Policy, policy_named, victim_of
+from loom.core.output_processor import OutputProcessor, merged
+from loom.core.policy import Policy, make_room, policy_named, victim_of
 from loom.core.prefix_cache import cache_full_blocks, cached_prefix
 from loom.core.request import FINISH_REASONS, Request, RequestStatus
-from loom.core.request_output import FinishReason, RequestOutput
-from loom.core.step import ModelRunnerOutput, SamplingInput, ScheduledSequence, SchedulerOutput
+from loom.core.request_output import FinishReason, Logprobs, RequestOutput
+from loom.core.speculative import Speculation
+from loom.core.step import ModelRunnerOutput, ScheduledSequence, SchedulerOutput
 
 
 @attrs.define
@@ -64,6 +68,7 @@ class Scheduler:
     outputs: OutputProcessor = attrs.field(factory=lambda: OutputProcessor(None))
     fair: FairShare = attrs.field(factory=FairShare)  # the service counted, whatever the policy
     policy: Policy = attrs.field(init=False)
+    spec: Speculation = attrs.field(init=False)  # drafts, when speculative decoding is on
     requests: dict[str, Request] = attrs.field(factory=dict)  # unfinished: waiting or running
     waiting: deque[Request] = attrs.field(factory=deque)
     running: list[Request] = attrs.field(factory=list)
@@ -79,6 +84,7 @@ class Scheduler:
 
     def __attrs_post_init__(self) -> None:
         self.policy = policy_named(self.config.scheduling_policy, self.fair)
+        self.spec = Speculation(self.config.speculative)
 
     def add_request(self, request: Request) -> None:
         self.requests[request.request_id] = request
@@ -106,6 +112,7 @@ class Scheduler:
     def schedule(self, now: float) -> SchedulerOutput | None:
         budget = self.config.max_num_batched_tokens
         chosen: list[tuple[Request, int]] = []
+        drafts: dict[str, tuple[int, ...]] = {}  # by request: its draft tokens, if any
         for victim in self.policy.rebalance(self.waiting, self.running, self.config.max_num_seqs):
             self.preempt(victim)
         num_preemptions = self.num_preemptions
@@ -115,9 +122,12 @@ class Scheduler:
             if request.paused or request.status is not RequestStatus.RUNNING:
                 continue  # paused, or preempted earlier in this loop
             num_new = min(request.num_tokens - request.num_computed_tokens, budget)
+            guess = self.spec.draft(request, budget, self.block_manager) if num_new == 1 else ()
             if self.reserve(request, num_new, chosen):
                 chosen.append((request, num_new))
-                budget -= num_new
+                budget -= num_new + len(guess)
+                if guess:
+                    drafts[request.request_id] = guess
         if self.num_preemptions == num_preemptions:
             self.admit_waiting(chosen, budget)
         chosen = within_mask_budget(chosen, self.config.step_mask_budget, self.policy.mask_key)
@@ -128,9 +138,17 @@ class Scheduler:
             request.last_step = self.num_steps
             if request.first_scheduled_time is None:
                 request.first_scheduled_time = now
-            samples = request.num_computed_tokens + num_new == request.num_tokens
-            self.fair.served(request.tenant, num_new, samples)
-        return SchedulerOutput(sequences=tuple(self.scheduled(r, n) for r, n in chosen))
+            end = request.num_computed_tokens + num_new
+            if end < request.num_prompt_tokens:
+                self.num_chunked_prefills += 1  # leaves part of its prompt for later
+            num_drafts = len(drafts.get(request.request_id, ()))
+            self.fair.served(request.tenant, num_new + num_drafts, end == request.num_tokens)
+        return SchedulerOutput(
+            sequences=tuple(
+                ScheduledSequence.of(r, n, self.block_manager.block_table(r.request_id), drafts)
+                for r, n in chosen
+            )
+        )
 
     def reserve(self, request: Request, num_new: int, chosen: list[tuple[Request, int]]) -> bool:
         """Blocks for `num_new` more tokens of a running request, preempting others (not those
@@ -191,67 +209,52 @@ class Scheduler:
 
     def make_room(self, request_id: str, num_tokens: int, cached: list[int]) -> bool:
         """Whether blocks for `num_tokens` of a waiting request (with its `cached` prefix) are
-        free, after preempting paused requests if that frees enough (and only then)."""
-        bm = self.block_manager
-        if bm.num_blocks_needed(request_id, num_tokens, cached) <= bm.num_free_blocks:
-            return True  # the common case, without looking through the running requests
-        paused = [r for r in self.running if r.paused]
-        freeable = self.freeable(paused, cached)
-        if bm.num_blocks_needed(request_id, num_tokens, cached) > bm.num_free_blocks + freeable:
-            return False
-        while paused and bm.num_blocks_needed(request_id, num_tokens, cached) > bm.num_free_blocks:
-            victim = victim_of(paused, self.policy)  # all paused: the longest paused
-            paused.remove(victim)
-            self.preempt(victim)
-        return bm.num_blocks_needed(request_id, num_tokens, cached) <= bm.num_free_blocks
-
-    def freeable(self, paused: list[Request], cached: list[int]) -> int:
-        """Blocks that preempting all of `paused` would free for a request taking `cached`: those
-        that no one else holds (a block shared with a running request stays held, and one of
-        the request's own prefix would be taken again)."""
-        bm = self.block_manager
-        holders = Counter(b for r in paused for b in bm.block_table(r.request_id))
-        keep = set(cached)
-        return sum(bm.ref_count(b) == n and b not in keep for b, n in holders.items())
-
-    def scheduled(self, request: Request, num_new: int) -> ScheduledSequence:
-        start, end = request.num_computed_tokens, request.num_computed_tokens + num_new
-        samples = end == request.num_tokens
-        if not samples and end < request.num_prompt_tokens:
-            self.num_chunked_prefills += 1
-        return ScheduledSequence(
-            request_id=request.request_id,
-            token_ids=request.token_ids(start, end),
-            num_computed_tokens=start,
-            block_table=self.block_manager.block_table(request.request_id),
-            sampling=SamplingInput.of(request) if samples else None,
-            scoring=request.prompt_scoring(start, end),
-        )
+        free, after preempting paused requests if that frees enough (loom/core/policy.py)."""
+        bm, running = self.block_manager, self.running
+        return make_room(bm, request_id, num_tokens, cached, running, self.policy, self.preempt)
 
     def update(
         self, output: SchedulerOutput, result: ModelRunnerOutput, now: float, rate: float = 0.0
     ) -> list[tuple[Request, RequestOutput]]:
-        """Apply a finished step, in one pass: each request that received a token, with its
+        """Apply a finished step, in one pass: each request that received tokens, with its
         output, every stop already applied (EOS, stop token ids, max_tokens, and stop strings,
         which win over a token stop on the same token, as in vLLM): a delta, or the final
-        output of a request the token finished. A constrained token's tenant is charged what
-        it cost the grammar at `rate` (service a second: loom/engine/engine_core.py), before
-        a finish that may leave the tenant without a counter to charge."""
+        output of a request a token finished (tokens after the one that ends it are dropped).
+        A constrained token's tenant is charged what it cost the grammar at `rate` (service a
+        second: loom/engine/engine_core.py), before a finish that may leave the tenant without
+        a counter to charge."""
+        emitted, advanced = result.by_request(), []
         for seq in output.sequences:
             request = self.requests.get(seq.request_id)
-            if request is not None:  # else finished while the step ran
-                request.num_computed_tokens += len(seq.token_ids)
-                request.prompt_logprobs += result.prompt_logprobs.get(seq.request_id, ())
-                cache_full_blocks(self.block_manager, request, seq.num_computed_tokens)
-                self.block_manager.slide(request.request_id, request.num_computed_tokens)
-        advanced = []
-        sampled = zip(result.request_ids, result.token_ids, result.logprobs, strict=True)
-        for request_id, token_id, logprobs in sampled:
-            request = self.requests.get(request_id)
             if request is None:
-                continue
+                continue  # finished while the step ran
+            tokens = emitted.get(seq.request_id, [])
+            num_accepted = self.spec.verified(request, seq.draft_token_ids, len(tokens))
+            rejected = len(seq.draft_token_ids) - num_accepted
+            request.num_computed_tokens += len(seq.token_ids) - rejected
+            request.prompt_logprobs += result.prompt_logprobs.get(seq.request_id, ())
             if request.deadline is not None and now >= request.deadline:
-                continue  # too late: dropped; `expired` finishes it as DEADLINE next
+                tokens = []  # too late: dropped; `expired` finishes it as DEADLINE next
+            delta, status = self.take(request, tokens, now, rate)
+            # A token stop inside the accepted drafts leaves K/V computed past the output.
+            request.num_computed_tokens = min(request.num_computed_tokens, request.num_tokens)
+            cache_full_blocks(self.block_manager, request, seq.num_computed_tokens)
+            self.block_manager.slide(request.request_id, request.num_computed_tokens)
+            self.block_manager.trim(request.request_id, request.num_tokens)
+            if delta is None:
+                continue
+            if status is not None and self.finish(request, status, request.stop_error()):
+                delta = self.outputs.final(request, now, delta)
+            advanced.append((request, delta))
+        return advanced
+
+    def take(
+        self, request: Request, tokens: list[tuple[int, Logprobs | None]], now: float, rate: float
+    ) -> tuple[RequestOutput | None, RequestStatus | None]:
+        """A request's new tokens taken, up to the first that ends it: their one delta (None
+        for none), and how the request ends (None: it goes on)."""
+        deltas, status = [], None
+        for token_id, logprobs in tokens:
             request.take(token_id)
             if request.matcher is not None:
                 self.fair.charge(request.tenant, request.matcher.step_seconds * rate)
@@ -259,13 +262,12 @@ class Scheduler:
                 request.first_token_time = now
             self.num_generated_tokens += 1
             status = request.stop_status()
-            delta = self.outputs.new_token(request, logprobs, last=status is not None)
-            if delta.finish_reason is FinishReason.STOP_SEQUENCE:
+            deltas.append(self.outputs.new_token(request, logprobs, last=status is not None))
+            if deltas[-1].finish_reason is FinishReason.STOP_SEQUENCE:
                 status = RequestStatus.FINISHED_STOP_SEQUENCE
-            if status is not None and self.finish(request, status, request.stop_error()):
-                delta = self.outputs.final(request, now, delta)
-            advanced.append((request, delta))
-        return advanced
+            if status is not None:
+                break
+        return (merged(deltas) if deltas else None), status
 
     def finish(self, request: Request, status: RequestStatus, error: str | None = None) -> bool:
         """End a request and free its blocks. Idempotent: False if it had already finished."""

@@ -4,8 +4,11 @@ Into the worker thread goes a `SchedulerOutput`: for each scheduled sequence the
 compute, where its K/V live, and, when those tokens complete the request so far, what the
 sampler needs to pick its next token. Out comes a `ModelRunnerOutput`: one sampled token (and
 its logprobs, if asked) for each sequence that samples, in step order, and the prompt
-log-probabilities of the chunks that asked for them. No live request object
-crosses the thread; the scheduler applies the result (`Scheduler.update`).
+log-probabilities of the chunks that asked for them. A sequence with draft tokens
+(speculative decoding, loom/core/speculative.py) samples at each of its k + 1 positions and
+emits its accepted drafts and the token after them: 1 to k + 1 tokens, one after another.
+No live request object crosses the thread; the scheduler applies the result
+(`Scheduler.update`).
 """
 
 from __future__ import annotations
@@ -43,17 +46,52 @@ class SamplingInput:
             constrained=request.matcher is not None,
         )
 
+    def ahead(self, drafts: tuple[int, ...]) -> SamplingInput:
+        """This row for the position after `drafts`, as if they had been sampled: its
+        min_tokens count, its seeded noise's position and its penalties' tokens move on."""
+        if not drafts:
+            return self
+        penalised = self.params.has_penalties
+        return attrs.evolve(
+            self,
+            num_output_tokens=self.num_output_tokens + len(drafts),
+            output_token_ids=self.output_token_ids + drafts if penalised else (),
+        )
+
 
 @attrs.frozen(kw_only=True)
 class ScheduledSequence:
     """One request's share of a step: `token_ids` to compute on top of its cached tokens."""
 
     request_id: str
-    token_ids: tuple[int, ...]  # the new tokens (a prefill chunk, or one decode token)
+    # The new tokens: a prefill chunk, or one decode token and its draft tokens, if any.
+    token_ids: tuple[int, ...]
     num_computed_tokens: int  # tokens already in the KV pool, before `token_ids`
     block_table: tuple[int, ...]  # blocks covering num_computed_tokens + len(token_ids)
     sampling: SamplingInput | None = None  # None: a prompt chunk with more to come samples nothing
     scoring: PromptScoring | None = None  # the prompt's logprobs asked for, and due here
+    draft_token_ids: tuple[int, ...] = ()  # the tail of `token_ids` to verify (sampling rows)
+
+    @classmethod
+    def of(
+        cls,
+        request: Request,
+        num_new: int,
+        block_table: tuple[int, ...],
+        drafts: Mapping[str, tuple[int, ...]],
+    ) -> ScheduledSequence:
+        """The request's next `num_new` tokens, and its drafts (by request id) if it has any."""
+        start, end = request.num_computed_tokens, request.num_computed_tokens + num_new
+        guess = drafts.get(request.request_id, ())
+        return cls(
+            request_id=request.request_id,
+            token_ids=request.token_ids(start, end) + guess,
+            num_computed_tokens=start,
+            block_table=block_table,
+            sampling=SamplingInput.of(request) if end == request.num_tokens else None,
+            scoring=request.prompt_scoring(start, end),
+            draft_token_ids=guess,
+        )
 
 
 @attrs.frozen(kw_only=True)
@@ -63,9 +101,19 @@ class SchedulerOutput:
 
 @attrs.frozen(kw_only=True)
 class ModelRunnerOutput:
-    """One token for each sequence of the step that samples, in the step's order."""
+    """The tokens each sequence of the step that samples emits, in the step's order: one, or,
+    for a sequence with drafts, its accepted drafts and the token after them."""
 
     request_ids: tuple[str, ...]
     token_ids: tuple[int, ...]
     logprobs: tuple[Logprobs | None, ...]
     prompt_logprobs: Mapping[str, tuple[Logprobs, ...]] = attrs.field(factory=dict)
+
+    def by_request(self) -> dict[str, list[tuple[int, Logprobs | None]]]:
+        """Each request's emitted tokens, in order, with their logprobs."""
+        emitted: dict[str, list[tuple[int, Logprobs | None]]] = {}
+        for request_id, token_id, logprobs in zip(
+            self.request_ids, self.token_ids, self.logprobs, strict=True
+        ):
+            emitted.setdefault(request_id, []).append((token_id, logprobs))
+        return emitted

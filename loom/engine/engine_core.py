@@ -155,9 +155,9 @@ class EngineCore:
         return matchers
 
     def publish(self, request: Request, output: RequestOutput, now: float) -> None:
-        """A request's new token: pushed to its stream (pausing the request when the stream is
-        full), or, the request finished, its stream ended."""
-        self.observer.token(request, now)
+        """A request's new tokens of a step: pushed to its stream (pausing the request when the
+        stream is full), or, the request finished, its stream ended."""
+        self.observer.token(request, len(output.token_ids), now)
         if output.finished:
             self.end_stream(request, output, now)
         elif self.streams[request.request_id].push(output):

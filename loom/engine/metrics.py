@@ -34,7 +34,7 @@ from prometheus_client.registry import Collector
 from loom.core.errors import EngineDeadError, EngineOverloadedError, InvalidRequestError
 from loom.core.request import Request, RequestStatus
 from loom.core.request_output import RequestOutput
-from loom.engine.stats import EngineStats
+from loom.engine.stats import EngineStats, SpecDecodeStats
 
 log = logging.getLogger(__name__)
 LATENCY_BUCKETS: tuple[float, ...] = (0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5)
@@ -199,7 +199,30 @@ class EngineCollector(Collector):
         for reason in ("stop", "length", "stop_sequence"):
             success.add_metric([*label, reason], s.finished.get(reason, 0))
         yield success
+        if s.spec_decode is not None:
+            yield from spec_decode_families(self.model_name, s.spec_decode)
         yield from tenant_families(self.model_name, s)
+
+
+def spec_decode_families(model_name: str, s: SpecDecodeStats) -> Iterator[Metric]:
+    """vLLM's spec_decode counters (acceptance rate: accepted / draft tokens)."""
+    label = [model_name]
+    for name, doc, value in (
+        ("num_drafts", "Steps of a request with draft tokens", s.num_drafts),
+        ("num_draft_tokens", "Draft tokens verified", s.num_draft_tokens),
+        ("num_accepted_tokens", "Draft tokens accepted", s.num_accepted_tokens),
+    ):
+        family = CounterMetricFamily(f"loom:spec_decode_{name}", doc, labels=["model_name"])
+        family.add_metric(label, value)
+        yield family
+    per_pos = CounterMetricFamily(
+        "loom:spec_decode_num_accepted_tokens_per_pos",
+        "Draft tokens accepted, by position in the draft",
+        labels=["model_name", "position"],
+    )
+    for position, value in enumerate(s.accepted_per_pos):
+        per_pos.add_metric([*label, str(position)], value)
+    yield per_pos
 
 
 MAX_TENANT_SERIES = 256  # the tenants with the most tokens get a series; all have their stats

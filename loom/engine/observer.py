@@ -5,7 +5,7 @@ stats a scrape reads, published from the stepping loop.
     admitted  a request enters the scheduler        ledger
     stepped   a step's rows and time                metrics
     masked    a step's grammar time                 metrics
-    token     a request's new token                 metrics, ledger
+    token     a request's new tokens of a step      metrics, ledger
     refused   a request refused at admission        metrics (and the ledger, for a full queue)
     pushed    a queued request's place taken        ledger
     ended     a request's stream ends               metrics, ledger, the request log
@@ -64,9 +64,9 @@ class Observer:
     def masked(self, seconds: float) -> None:
         self.metrics.masked(seconds)
 
-    def token(self, request: Request, now: float) -> None:
+    def token(self, request: Request, num_tokens: int, now: float) -> None:
         self.metrics.token(request, now)
-        self.ledger.generated(request.tenant)
+        self.ledger.generated(request.tenant, num_tokens)
 
     def refused(self, exc: Exception, tenant: str) -> None:
         self.metrics.refused(exc)

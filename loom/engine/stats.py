@@ -7,6 +7,7 @@ from collections import Counter
 import attrs
 
 from loom.core.scheduler import Scheduler
+from loom.core.speculative import Speculation
 from loom.engine.config import EngineConfig
 from loom.model.loader import LoadedModel
 from loom.model.model_runner import ModelRunner
@@ -44,9 +45,9 @@ class TenantLedger:
         self.prompt_tokens[tenant] += num_prompt_tokens
         self.weights[tenant] = weight
 
-    def generated(self, tenant: str) -> None:
+    def generated(self, tenant: str, num_tokens: int = 1) -> None:
         self.seen(tenant)
-        self.generated_tokens[tenant] += 1
+        self.generated_tokens[tenant] += num_tokens
 
     def ended(self, tenant: str, num_cached_tokens: int) -> None:
         self.seen(tenant)
@@ -108,6 +109,8 @@ class EngineStats:
     tenants: dict[str, TenantStats]  # each the viewer may see: its own, or all
     num_waiting_tokens: int  # prompt tokens of the queued requests (not paused)
     gen_throughput: float  # tokens generated a second, every tenant's, lately (Throughput)
+    # Speculative decoding's figures, every tenant's (as the rate): None with it off.
+    spec_decode: SpecDecodeStats | None = None
 
     @classmethod
     def of(
@@ -142,6 +145,29 @@ class EngineStats:
             tenants=tenants,
             num_waiting_tokens=scheduler.num_waiting_tokens(viewer),
             gen_throughput=gen_throughput,
+            spec_decode=SpecDecodeStats.of(scheduler.spec),
+        )
+
+
+@attrs.frozen(kw_only=True)
+class SpecDecodeStats:
+    """vLLM's spec_decode counters: acceptance rate = accepted / draft tokens; mean accepted
+    length (tokens a drafted step gives) = 1 + accepted / drafts."""
+
+    num_drafts: int  # steps of a request with drafts
+    num_draft_tokens: int
+    num_accepted_tokens: int
+    accepted_per_pos: tuple[int, ...]  # accepted at draft position 0, 1, ...
+
+    @classmethod
+    def of(cls, spec: Speculation) -> SpecDecodeStats | None:
+        if spec.proposer is None:
+            return None
+        return cls(
+            num_drafts=spec.num_drafts,
+            num_draft_tokens=spec.num_draft_tokens,
+            num_accepted_tokens=spec.num_accepted_tokens,
+            accepted_per_pos=tuple(spec.accepted_per_pos),
         )
 
 

@@ -2,7 +2,9 @@
 then sampling for the sequences that sample.
 
 `execute_model` takes the step's `SchedulerOutput` and returns a `ModelRunnerOutput`: one token
-per sampling sequence. The LM head runs only on those sequences' last positions (a prompt chunk
+per sampling sequence, or, for one with k draft tokens, a token sampled at each of its last
+k + 1 positions, of which it emits the accepted drafts and the one after them
+(loom/core/speculative.py). The LM head runs only on those positions (a prompt chunk
 with more to come needs none), and on every position of a chunk that scores its prompt
 (prompt_logprobs: each position's log-probability of the prompt token after it). The runner
 owns the KV pool and the sampler; it never decides which blocks a request holds (the
@@ -19,6 +21,7 @@ import torch
 from loom.core.config import CacheConfig
 from loom.core.request import PromptScoring
 from loom.core.request_output import Logprobs
+from loom.core.speculative import emitted, sampling_rows
 from loom.core.step import ModelRunnerOutput, ScheduledSequence, SchedulerOutput
 from loom.model.attention import AttentionMetadata, build_attention_metadata
 from loom.model.decoder import DecoderModel
@@ -84,19 +87,18 @@ class ModelRunner:
             for seq, end in zip(sequences, ends.tolist(), strict=True)
             if seq.scoring is not None
         }
-        rows = [i for i, seq in enumerate(sequences) if seq.sampling is not None]
-        if not rows:
+        ended = zip(sequences, ends.tolist(), strict=True)
+        sampling = [(s, end) for s, end in ended if s.sampling is not None]
+        if not sampling:
             return ModelRunnerOutput(
                 request_ids=(), token_ids=(), logprobs=(), prompt_logprobs=scored
             )
-        logits = self.model.compute_logits(hidden[(ends - 1)[rows].to(self.device)]).float()
-        inputs = [seq.sampling for seq in sequences if seq.sampling is not None]
-        sampled = self.sampler.sample(logits, inputs, masks)
-        return ModelRunnerOutput(
-            request_ids=tuple(sequences[i].request_id for i in rows),
-            token_ids=tuple(sampled.token_ids),
-            logprobs=tuple(sampled.logprobs),
-            prompt_logprobs=scored,
+        # A sequence's rows: its last position, or with k drafts its last k + 1 (one each).
+        rows = [e - 1 - j for s, e in sampling for j in reversed(range(len(s.draft_token_ids) + 1))]
+        logits = self.model.compute_logits(hidden[torch.tensor(rows, device=self.device)]).float()
+        sampled = self.sampler.sample(logits, sampling_rows([s for s, _ in sampling]), masks)
+        return emitted(
+            [s for s, _ in sampling], sampled.token_ids, sampled.logprobs, prompt_logprobs=scored
         )
 
     def score(self, hidden: torch.Tensor, scoring: PromptScoring) -> tuple[Logprobs, ...]:
@@ -156,6 +158,9 @@ def positions(sequences: Sequence[ScheduledSequence]) -> torch.Tensor:
 def check_scheduled(seq: ScheduledSequence, block_size: int) -> None:
     if not seq.token_ids:
         raise ValueError(f"request {seq.request_id}: no tokens scheduled")
+    drafts = seq.draft_token_ids
+    if drafts and (seq.sampling is None or seq.token_ids[-len(drafts) :] != drafts):
+        raise ValueError(f"request {seq.request_id}: drafts must end a sampling row's tokens")
     num_tokens = seq.num_computed_tokens + len(seq.token_ids)
     if len(seq.block_table) * block_size < num_tokens:
         raise ValueError(

@@ -3,7 +3,9 @@
 The engine, scheduler, block manager, bridge and server run unchanged; `SimRunner` replaces the
 forward pass and sampling with a sleep (a step costs `step_ms + seq_ms * sequences + token_ms *
 tokens` milliseconds) and a deterministic next token: a function of the sequence's last token
-and its position, as if the model were greedy over fixed logits (a grammar's mask is honoured:
+and its position, as if the model were greedy over fixed logits (or, with `cycle=P`, the last
+token's successor modulo P: an output that repeats, which speculative decoding's n-gram drafts
+predict; a grammar's mask is honoured:
 the first token it allows from that one on; a seeded, sampled request's token is moved by its
 seed). There is no KV memory: blocks are bookkeeping only. Without a tokenizer, prompts are
 token ids and nothing ends a request but max_tokens or a stop token id; `tokenizer=` gives it
@@ -29,7 +31,8 @@ import torch
 
 from loom.core.config import CacheConfig
 from loom.core.request_output import Logprobs, TokenLogprob
-from loom.core.step import ModelRunnerOutput, ScheduledSequence, SchedulerOutput
+from loom.core.speculative import emitted, sampling_rows
+from loom.core.step import ModelRunnerOutput, SamplingInput, ScheduledSequence, SchedulerOutput
 from loom.model.kv_cache import KVCacheShape
 from loom.model.loader import (
     LoadedModel,
@@ -43,7 +46,15 @@ from loom.model.sampler import Masks
 
 PREFIX = "sim"
 # Each parameter's least value; the counts (at least 1) are whole numbers, the times are not.
-MINIMUMS = {"step_ms": 0.0, "seq_ms": 0.0, "token_ms": 0.0, "vocab": 1, "max_len": 1, "blocks": 2}
+MINIMUMS = {
+    "step_ms": 0.0,
+    "seq_ms": 0.0,
+    "token_ms": 0.0,
+    "vocab": 1,
+    "max_len": 1,
+    "blocks": 2,
+    "cycle": 1,
+}
 
 
 @attrs.frozen(kw_only=True)
@@ -56,6 +67,7 @@ class SimModel:
     vocab: int = 32000
     max_len: int = 8192
     blocks: int = 65536  # KV blocks, unless --num-blocks says otherwise
+    cycle: int | None = None  # the next token is the last one's successor modulo this
     generation_config: SimpleNamespace = attrs.field(
         factory=lambda: SimpleNamespace(eos_token_id=None)
     )
@@ -64,6 +76,8 @@ class SimModel:
         return (self.step_ms + self.seq_ms * num_seqs + self.token_ms * num_tokens) / 1000
 
     def next_token(self, last: int, position: int) -> int:
+        if self.cycle is not None:
+            return (last + 1) % min(self.cycle, self.vocab)
         return (31 * last + 17 * position + 7) % self.vocab
 
 
@@ -156,25 +170,23 @@ class SimRunner(ModelRunner):
         num_tokens = sum(len(s.token_ids) for s in sequences)
         time.sleep(self.sim.step_seconds(len(sequences), num_tokens))
         sampling = [s for s in sequences if s.sampling is not None]
-        tokens = [self.token(s) for s in sampling]
-        constrained = [i for i, s in enumerate(sampling) if s.sampling and s.sampling.constrained]
+        rows = sampling_rows(sampling)
+        tokens = [self.token(s, i) for s in sampling for i in range(len(s.draft_token_ids) + 1)]
+        constrained = [i for i, row in enumerate(rows) if row.constrained]
         if constrained:
             if masks is None:
                 raise ValueError("a step with constrained rows needs their masks")
             for i, allowed in zip(constrained, allowed_of(masks()), strict=True):
                 tokens[i] = first_allowed(tokens[i], allowed)
-        return ModelRunnerOutput(
-            request_ids=tuple(s.request_id for s in sampling),
-            token_ids=tuple(tokens),
-            logprobs=tuple(
-                logprobs(s, t, self.sim.vocab) for s, t in zip(sampling, tokens, strict=True)
-            ),
-        )
+        found = [logprobs(row, t, self.sim.vocab) for row, t in zip(rows, tokens, strict=True)]
+        return emitted(sampling, tokens, found)
 
-    def token(self, seq: ScheduledSequence) -> int:
-        """The next token; a sampled request with a seed: that one moved by the seed, so that
-        seeds repeat and differ as a real model's do."""
-        token = self.sim.next_token(seq.token_ids[-1], seq.num_computed_tokens + len(seq.token_ids))
+    def token(self, seq: ScheduledSequence, row: int) -> int:
+        """The next token at the sequence's `row`-th sampled position (its last, or with k
+        drafts one of its last k + 1); a sampled request with a seed: that one moved by the
+        seed, so that seeds repeat and differ as a real model's do."""
+        at = len(seq.token_ids) - 1 - len(seq.draft_token_ids) + row  # the token sampled after
+        token = self.sim.next_token(seq.token_ids[at], seq.num_computed_tokens + at + 1)
         params = seq.sampling.params if seq.sampling is not None else None
         if params is None or params.greedy or params.seed is None:
             return token
@@ -198,12 +210,11 @@ def first_allowed(token: int, allowed: torch.Tensor) -> int:
     return int(later[0] if len(later) else allowed[0])
 
 
-def logprobs(seq: ScheduledSequence, token: int, vocab: int) -> Logprobs | None:
+def logprobs(row: SamplingInput, token: int, vocab: int) -> Logprobs | None:
     """As from fixed logits: the chosen token the likeliest (-0.1), then the tokens after it,
     each 1 less likely (as many as asked for: a message as large as a real model's)."""
-    assert seq.sampling is not None
-    if seq.sampling.params.logprobs is None:
+    if row.params.logprobs is None:
         return None
-    count = min(seq.sampling.params.logprobs, vocab)
+    count = min(row.params.logprobs, vocab)
     top = tuple(TokenLogprob(token_id=(token + k) % vocab, logprob=-0.1 - k) for k in range(count))
     return Logprobs(chosen=TokenLogprob(token_id=token, logprob=-0.1), top=top)

@@ -235,3 +235,46 @@ def test_sampler_a_seeded_narrow_row_draws_the_same_whatever_its_mates() -> None
         differ += first != second
         assert first in allowed
     assert differ == 0
+
+
+def chi_square(counts: np.ndarray, probs: np.ndarray) -> float:
+    expected = counts.sum() * probs
+    return float(((counts - expected) ** 2 / expected).sum())
+
+
+def test_verifying_drafts_by_sampling_each_position_keeps_the_distribution() -> None:
+    """Speculative decoding's acceptance (loom/core/speculative.py): each position sampled as
+    without drafts, drafts kept while they match. One-hot drafts (the n-gram's): the emitted
+    tokens follow the target's distribution, position by position; 20,000 sequences of two
+    rows, a likely draft and then an unlikely one."""
+    from loom.core.speculative import emitted, sampling_rows
+    from loom.core.step import ScheduledSequence
+
+    torch.manual_seed(0)
+    logits = [[2.0, 1.0, 0.5, 0.0, -0.5, -1.0], [0.0, 1.5, 0.3, -0.2, 0.8, -1.5], [0.0] * 6]
+    p = [torch.softmax(torch.tensor(r), dim=0).numpy() for r in logits]
+    num = 20_000
+    seq = ScheduledSequence(
+        request_id="r",
+        token_ids=(1, 0, 3),
+        num_computed_tokens=3,
+        block_table=(1,),
+        sampling=row(SamplingParams(temperature=1.0)),
+        draft_token_ids=(0, 3),  # draft 0 is likely (p 0.47), draft 3 not (p 0.09)
+    )
+    rows = sampling_rows([seq] * num)
+    sampled = Sampler(VOCAB, CPU).sample(logits_rows(*logits * num), rows)
+    kept = emitted([seq] * num, sampled.token_ids, sampled.logprobs)
+    tokens = np.array(kept.token_ids)
+    firsts, seconds, at = [], [], 0
+    for _ in range(num):  # each sequence: its first token, then more while drafts matched
+        firsts.append(tokens[at])
+        n = 1 if tokens[at] != 0 else (2 if tokens[at + 1] != 3 else 3)
+        if n >= 2:
+            seconds.append(tokens[at + 1])
+        at += n
+    assert at == len(tokens)
+    # Critical chi-square values at p = 0.001 with 5 degrees of freedom: 20.5
+    assert chi_square(np.bincount(firsts, minlength=VOCAB), p[0]) < 20.5
+    assert chi_square(np.bincount(seconds, minlength=VOCAB), p[1]) < 20.5
+    assert abs(len(seconds) / num - p[0][0]) < 0.02  # draft 0 accepted as often as sampled

@@ -34,3 +34,20 @@ def sampled(output: SchedulerOutput, token_id: int = 7) -> ModelRunnerOutput:
         token_ids=(token_id,) * len(request_ids),
         logprobs=(None,) * len(request_ids),
     )
+
+
+def speculated(output: SchedulerOutput, num_accepted: int, bonus: int = 7) -> ModelRunnerOutput:
+    """What the runner would return if each sampling sequence accepted `num_accepted` of its
+    drafts (at most all) and then drew `bonus`."""
+    request_ids: list[str] = []
+    token_ids: list[int] = []
+    for seq in output.sequences:
+        if seq.sampling is not None:
+            kept = (*seq.draft_token_ids[:num_accepted], bonus)
+            request_ids += [seq.request_id] * len(kept)
+            token_ids += kept
+    return ModelRunnerOutput(
+        request_ids=tuple(request_ids),
+        token_ids=tuple(token_ids),
+        logprobs=(None,) * len(token_ids),
+    )

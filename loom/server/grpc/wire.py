@@ -77,6 +77,7 @@ def sampling_from(message: pb.SamplingParams) -> SamplingParams:
         stop_token_ids=tuple(message.stop_token_ids),
         ignore_eos=message.ignore_eos,
         constraint=constraint_from(message),
+        speculative=message.speculative if message.HasField("speculative") else True,
     )
 
 
@@ -139,7 +140,10 @@ def stats_message(stats: EngineStats) -> pb.ServerStats:
     the viewer's own token and cache figures, or everyone's for an admin)."""
     fields = attrs.asdict(stats, recurse=False)
     tenants = fields.pop("tenants")
+    spec = fields.pop("spec_decode")
     message = pb.ServerStats(**fields)
+    if spec is not None:
+        message.spec_decode.CopyFrom(pb.SpecDecodeStats(**attrs.asdict(spec)))
     for name, figures in tenants.items():
         message.tenants[name].CopyFrom(tenant_message(figures))
     return message

@@ -6,7 +6,8 @@ Taken (chat and completions): model, max_tokens (and chat's max_completion_token
 top_p, n, stop, seed, presence_penalty, frequency_penalty, logprobs (chat: top_logprobs too),
 stream, stream_options.include_usage, user; vLLM's extensions top_k, min_p, repetition_penalty,
 min_tokens, ignore_eos, stop_token_ids, cache_salt, return_tokens_as_token_ids and
-return_token_ids; structured outputs, OpenAI's response_format and vLLM's structured_outputs
+return_token_ids; Loom's `speculative` (false: no draft tokens for this request); structured
+outputs, OpenAI's response_format and vLLM's structured_outputs
 (loom/server/openai/structured.py). Chat: messages (system, developer, user, assistant;
 content a string or a list of text parts). Completions: prompt (a string, strings, token ids,
 lists of token ids), echo (with logprobs, the prompt's own log-probabilities too). Refused by
@@ -190,6 +191,7 @@ def sampling_of(
         logprobs=logprobs,
         prompt_logprobs=prompt_logprobs,
         constraint=constraint_of(body),
+        speculative=optional(body, "speculative", bool) is not False,
     )
 
 

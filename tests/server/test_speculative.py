@@ -1,0 +1,84 @@
+"""Speculative decoding through both APIs (a tiny random Llama over SmolLM2's tokenizer, n-gram
+drafts): greedy tokens equal transformers' `generate`, with drafts and without (the per-request
+switch: loom.v1's `speculative`, the OpenAI body's `speculative`); a streamed answer's text is
+the whole answer's; a switch that is not a boolean is refused naming it.
+
+Rules: loopback only, port 0, a timeout on every I/O test; real server, real clients.
+"""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+import trio
+
+from loom.core.config import SchedulerConfig
+from loom.core.speculative import SpeculativeConfig
+from loom.model.loader import LoadedModel
+from loom.server.openai.config import HttpConfig
+from loom.v1 import loom_pb2 as pb
+from tests.support.greedy import reference_tokens
+from tests.support.grpc_client import generate, greedy, in_asyncio, token_ids, wait_all_blocks_free
+from tests.support.http_client import openai_client, post
+from tests.support.server_harness import serving
+
+NGRAM = SchedulerConfig(
+    speculative=SpeculativeConfig(
+        speculative_method="ngram", prompt_lookup_min=1, prompt_lookup_max=3
+    )
+)
+REPEATING = [3, 1, 4, 1, 5, 9, 2, 6] * 4
+
+
+async def test_grpc_greedy_tokens_with_drafts_equal_generate_and_those_without(
+    tiny_chat: LoadedModel,
+) -> None:
+    expected = reference_tokens(tiny_chat.model, REPEATING, 40)
+    async with serving(tiny_chat, scheduler=NGRAM) as (server, port):
+        with trio.fail_after(60):
+            drafted = await in_asyncio(generate, port, greedy(REPEATING, 40))
+            plain = await in_asyncio(generate, port, greedy(REPEATING, 40, speculative=False))
+            spec = server.engine.stats().spec_decode
+            assert spec is not None
+            assert spec.num_accepted_tokens > 0
+            num_drafted = spec.num_draft_tokens
+            assert token_ids(drafted) == token_ids(plain) == expected
+            # The switched-off request drafted nothing, and a step's tokens come in one delta.
+            assert await in_asyncio(generate, port, greedy(REPEATING, 40, speculative=False))
+            assert server.engine.stats().spec_decode.num_draft_tokens == num_drafted  # type: ignore[union-attr]
+            assert len(drafted) < len(plain)
+            await wait_all_blocks_free(port)
+
+
+async def test_http_greedy_text_with_drafts_equals_the_text_without(tiny_chat: LoadedModel) -> None:
+    async with serving(tiny_chat, scheduler=NGRAM, http=HttpConfig(http_port=0)) as (server, _):
+        client = openai_client(server.http_port or 0)
+
+        def ask(**extra: Any) -> tuple[str, str]:
+            common: dict[str, Any] = {"model": "tiny-llama", "prompt": REPEATING, "max_tokens": 60}
+            whole = client.completions.create(temperature=0, extra_body=extra, **common)
+            stream = client.completions.create(
+                temperature=0, stream=True, extra_body=extra, **common
+            )
+            return whole.choices[0].text, "".join(c.choices[0].text for c in stream)
+
+        with trio.fail_after(60):
+            drafted, drafted_streamed = await trio.to_thread.run_sync(ask)
+            plain, plain_streamed = await trio.to_thread.run_sync(lambda: ask(speculative=False))
+        assert drafted == drafted_streamed == plain == plain_streamed != ""
+        spec = server.engine.stats().spec_decode
+        assert spec is not None
+        assert spec.num_accepted_tokens > 0
+
+
+async def test_http_refuses_a_speculative_switch_that_is_not_a_boolean(
+    tiny_chat: LoadedModel,
+) -> None:
+    async with serving(tiny_chat, scheduler=NGRAM, http=HttpConfig(http_port=0)) as (server, _):
+        body = {"model": "tiny-llama", "prompt": "Hi", "max_tokens": 2, "speculative": "no"}
+        with trio.fail_after(30):
+            status, _, data = await post(server.http_port or 0, "/v1/completions", body)
+        assert status == 400
+        assert json.loads(data)["error"]["param"] == "speculative"
+        assert pb.SamplingParams(speculative=False).HasField("speculative")
