@@ -64,7 +64,8 @@ def add_parser(commands: Any) -> argparse.ArgumentParser:
         choices=WORKLOADS,
         help="standard: distinct prompts; shared-prefix: --prefix-len common tokens before "
         "each prompt; multi-turn: --concurrency conversations of --turns turns, each resending "
-        "its history (default: standard)",
+        "its history; rewrite: each prompt asks for a passage of --input-len tokens to be "
+        "written out again (for speculative decoding) (default: standard)",
     )
     add("--prefix-len", type=int, default=512, help="shared-prefix: common tokens (default: 512)")
     add("--turns", type=int, default=6, help="multi-turn: turns per conversation (default: 6)")
@@ -145,7 +146,7 @@ def add_parser(commands: Any) -> argparse.ArgumentParser:
     return bench
 
 
-WORKLOADS = ("standard", "shared-prefix", "multi-turn")
+WORKLOADS = ("standard", "shared-prefix", "multi-turn", "rewrite")
 APIS = ("grpc", "openai", "both")
 
 
@@ -243,8 +244,8 @@ def check_flags(args: argparse.Namespace) -> None:
         at_least(minimum)(flag, value)
     if not args.request_rate > 0:
         raise ValueError(f"--request-rate must be above 0, got {args.request_rate}")
-    if args.workload != "standard" and (args.baseline or args.llama_server):
-        raise ValueError("--baseline and --llama-server run the standard workload only")
+    if args.workload not in ("standard", "rewrite") and (args.baseline or args.llama_server):
+        raise ValueError("--baseline and --llama-server run the standard and rewrite workloads")
     if args.tenants and (args.address or args.baseline or args.llama_server):
         raise ValueError("--tenants launches its servers, with Loom alone: drop --address")
     if args.compare_prefix_caching and args.address:

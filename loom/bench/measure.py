@@ -22,6 +22,7 @@ from loom.bench.serving import (
     drive,
     drive_conversations,
     make_conversations,
+    make_rewrite_workload,
     make_shared_prefix_workload,
     make_workload,
 )
@@ -156,6 +157,8 @@ def make_workload_of(
         )
     if args.workload == "multi-turn":
         return make_conversations(tokenizer, concurrency, args.turns, input_len, output_len, seed)
+    if args.workload == "rewrite":
+        return make_rewrite_workload(tokenizer, n, input_len, output_len, seed)
     return make_workload(tokenizer, n, input_len, output_len, seed)
 
 
@@ -224,6 +227,10 @@ def title_of(
         )
     if args.constrained_fraction:
         what += f", {args.constrained_fraction:.0%} constrained by a JSON schema"
+    if server.get("spec_drafts"):  # vLLM's acceptance rate and mean accepted length
+        rate = server["spec_accepted_tokens"] / server["spec_draft_tokens"]
+        length = 1 + server["spec_accepted_tokens"] / server["spec_drafts"]
+        what += f"; drafts accepted {rate:.1%}, mean accepted length {length:.2f}"
     return (
         f"\n== {args.workload}, concurrency {concurrency}: {what}; "
         f"KV blocks used at most {server['max_used_blocks']}/{server['num_total_blocks']}, "

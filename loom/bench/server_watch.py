@@ -35,8 +35,9 @@ class ServerWatch:
             await asyncio.sleep(0.25)
 
     async def summary(self) -> dict[str, int]:
-        """The run's figures: its preemptions and prompt tokens (computed, and found in the
-        prefix cache) from the difference of the stats before and after."""
+        """The run's figures: its preemptions, prompt tokens (computed, and found in the
+        prefix cache) and draft tokens (speculative decoding: steps with drafts, draft tokens
+        and those accepted) from the difference of the stats before and after."""
         last, first = await self.stats(), self.first
         queried = last.prefix_cache_queries - first.prefix_cache_queries
         cached = last.prefix_cache_hits - first.prefix_cache_hits
@@ -46,4 +47,11 @@ class ServerWatch:
             "num_preemptions": last.num_preemptions - first.num_preemptions,
             "prompt_tokens_computed": queried - cached,
             "prompt_tokens_cached": cached,
+            "spec_drafts": last.spec_decode.num_drafts - first.spec_decode.num_drafts,
+            "spec_draft_tokens": (
+                last.spec_decode.num_draft_tokens - first.spec_decode.num_draft_tokens
+            ),
+            "spec_accepted_tokens": (
+                last.spec_decode.num_accepted_tokens - first.spec_decode.num_accepted_tokens
+            ),
         }

@@ -2,10 +2,14 @@
 loom/bench/fronts.py) on a fixed workload.
 
 The standard workload (BENCHMARKS.md): prompts of exactly `input_len` tokens, distinct, sent as
-token ids; exactly `output_len` tokens generated (ignore_eos); greedy. Two more for
-prefix caching: `shared-prefix` puts one common `prefix_len`-token text (a system prompt) before
-each distinct prompt; `multi-turn` holds `concurrency` conversations of `turns` turns, each turn
-resending the whole history (earlier prompts and replies, as token ids) plus `input_len` new
+token ids; exactly `output_len` tokens generated (ignore_eos); greedy. `rewrite` is for
+speculative decoding: each prompt asks (in the model's chat template) for a passage of exactly
+`input_len` tokens of the shipped text (loom/bench/data/perplexity.txt, distinct passages) to
+be written out again, so that the answer repeats its prompt, as a rewrite, an extraction or an
+edit does. Two more for prefix caching: `shared-prefix` puts one common `prefix_len`-token
+text (a system prompt) before each distinct prompt; `multi-turn` holds `concurrency`
+conversations of `turns` turns, each turn resending the whole history (earlier prompts and
+replies, as token ids) plus `input_len` new
 tokens. Requests arrive all at once or as a Poisson process at `request_rate`, at most
 `concurrency` in flight, one channel per concurrent client. While it runs, GetServerStats is
 polled for KV usage and preemptions. With `--baseline`, the same prompts also go through
@@ -24,6 +28,7 @@ import threading
 import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
+from pathlib import Path
 from typing import Any
 
 import attrs
@@ -68,6 +73,29 @@ def make_workload(
         ids = tokenizer.encode(text)[:input_len]
         if len(ids) < input_len:
             raise ValueError(f"could not make a prompt of {input_len} tokens")
+        prompts.append(tuple(ids))
+    return Workload(prompts=tuple(prompts), output_len=output_len)
+
+
+REWRITE = "Write out the following text again, word for word, without any change:\n\n{}"
+TEXT = Path(__file__).parent / "data" / "perplexity.txt"
+
+
+def make_rewrite_workload(
+    tokenizer: Any, num_prompts: int, input_len: int, output_len: int, seed: int
+) -> Workload:
+    """Prompts asking for a passage of `input_len` tokens to be written out again (in the
+    model's chat template, so a few tokens more); passages start at distinct random tokens of
+    the shipped text. Without a tokenizer (the simulated model): the standard prompts."""
+    if tokenizer is None:
+        return make_workload(tokenizer, num_prompts, input_len, output_len, seed)
+    text = tokenizer.encode(TEXT.read_text(), add_special_tokens=False)
+    starts = random.Random(seed).sample(range(len(text) - input_len), num_prompts)
+    prompts = []
+    for start in starts:
+        passage = tokenizer.decode(text[start : start + input_len])
+        messages = [{"role": "user", "content": REWRITE.format(passage)}]
+        ids = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
         prompts.append(tuple(ids))
     return Workload(prompts=tuple(prompts), output_len=output_len)
 

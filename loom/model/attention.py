@@ -19,9 +19,11 @@ Keys are read a whole block at a time (a block is `block_size` contiguous rows o
 one large copy per block rather than one small copy per token). Sequences are attended in
 groups padded to a common query length `Q` and block count `B` (`L = B * block_size` keys): one
 group for single-token (decode) sequences, one for the rest (prefill chunks), so that a long
-chunk does not pad every decode to its length. Padding blocks are block 0, the null block; every
-key past a query's position is masked out. Query padding repeats the sequence's last token and
-is dropped.
+chunk does not pad every decode to its length (with the in-place kernel below, a sequence of
+at most MAX_ROWS_IN_PLACE new tokens, as one verifying draft tokens, is that many decode rows:
+row j a query at num_computed + j attending keys up to its own). Padding blocks are block 0,
+the null block; every key past a query's position is masked out. Query padding repeats the
+sequence's last token and is dropped.
 
 Decode groups on CPU in float32 skip the gather: Loom's kernel (loom/model/kernels/step.cpp)
 reads each key and value in place through the block table, from a float32 or float16 pool, one
@@ -42,6 +44,10 @@ import torch.nn.functional as F  # noqa: N812
 from loom.model import kernels
 
 log = logging.getLogger(__name__)
+
+# With the in-place kernel, a sequence with at most this many new tokens is attended as that
+# many decode rows (a step verifying draft tokens stays one decode group: the one-call path).
+MAX_ROWS_IN_PLACE = 16
 
 
 @attrs.frozen(kw_only=True)
@@ -104,14 +110,24 @@ def build_attention_metadata(
             for s, q_len in enumerate(query_lens)
         ]
     )
-    decode = [s for s, q_len in enumerate(query_lens) if q_len == 1]
-    prefill = [s for s, q_len in enumerate(query_lens) if q_len > 1]
+    # Each group's members: (num_computed, q_len, block table, first flat token). With the
+    # in-place kernel a short run of new tokens (drafts to verify) is a decode row per token,
+    # row j attending the sequence's first num_computed + j + 1 keys (all written first).
+    split = MAX_ROWS_IN_PLACE if decode_in_place else 1
+    decode = [
+        (num_computed[s] + j, 1, block_tables[s], starts[s] + j)
+        for s, q_len in enumerate(query_lens)
+        if q_len <= split
+        for j in range(q_len)
+    ]
+    prefill = [
+        (num_computed[s], q_len, block_tables[s], starts[s])
+        for s, q_len in enumerate(query_lens)
+        if q_len > split
+    ]
     groups = tuple(
         build_group(
-            [num_computed[s] for s in members],
-            [query_lens[s] for s in members],
-            [block_tables[s] for s in members],
-            [starts[s] for s in members],
+            members,
             block_size,
             device,
             num_queries_per_kv,
@@ -132,19 +148,20 @@ def slots_for(block_table: Sequence[int], positions: range, block_size: int) -> 
     return table[pos // block_size] * block_size + pos % block_size
 
 
+Member = tuple[int, int, Sequence[int], int]  # num_computed, q_len, block table, first flat token
+
+
 def build_group(
-    num_computed: list[int],
-    query_lens: list[int],
-    block_tables: list[Sequence[int]],
-    starts: list[int],
+    members: list[Member],
     block_size: int,
     device: torch.device,
     num_queries_per_kv: int,
     dtype: torch.dtype,
     windows: Sequence[int] = (),
 ) -> AttentionGroup:
-    computed = torch.tensor(num_computed, dtype=torch.long)
-    q_lens = torch.tensor(query_lens, dtype=torch.long)
+    computed = torch.tensor([m[0] for m in members], dtype=torch.long)
+    q_lens = torch.tensor([m[1] for m in members], dtype=torch.long)
+    block_tables, starts = [m[2] for m in members], [m[3] for m in members]
     max_q = int(q_lens.max())
     max_blocks = -(-int((computed + q_lens).max()) // block_size)
     tables = torch.zeros(len(block_tables), max_blocks, dtype=torch.long)  # padded with block 0

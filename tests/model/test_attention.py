@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from loom.model.attention import AttentionGroup, build_attention_metadata
+from loom.model.attention import MAX_ROWS_IN_PLACE, AttentionGroup, build_attention_metadata
 
 CPU = torch.device("cpu")
 T, F = True, False
@@ -32,6 +32,33 @@ def test_attention_metadata_matches_the_worked_example() -> None:
     assert prefill.query_index.tolist() == [[1, 2, 3]]
     assert prefill.block_index.tolist() == [4]
     assert allowed(prefill)[0, 0].tolist() == [[T, F, F, F], [T, T, F, F], [T, T, T, F]]
+
+
+def test_attention_metadata_in_place_makes_a_short_run_of_tokens_decode_rows() -> None:
+    """A sequence verifying draft tokens (5 computed, 3 new) is three decode rows beside a
+    decode: one group, the one-call path's; a run past MAX_ROWS_IN_PLACE stays a prefill."""
+    metadata = build_attention_metadata(
+        num_computed=[5, 2],
+        query_lens=[3, 1],
+        block_tables=[[7, 2], [4]],
+        block_size=4,
+        device=CPU,
+        decode_in_place=True,
+    )
+    (decode,) = metadata.groups
+    assert decode.query_index.tolist() == [[0], [1], [2], [3]]
+    assert decode.seq_lens.tolist() == [6, 7, 8, 3]  # each row's keys: up to its own
+    assert decode.block_index.tolist() == [7, 2, 7, 2, 7, 2, 4, 0]
+    long = MAX_ROWS_IN_PLACE + 1
+    metadata = build_attention_metadata(
+        num_computed=[0, 2],
+        query_lens=[long, 1],
+        block_tables=[list(range(1, long // 4 + 2)), [4]],
+        block_size=4,
+        device=CPU,
+        decode_in_place=True,
+    )
+    assert [g.query_index.shape[1] for g in metadata.groups] == [1, long]
 
 
 def test_attention_metadata_pads_with_the_null_block_and_repeats_padded_queries() -> None:
