@@ -14,7 +14,7 @@ from typing import Any
 
 import torch
 
-from loom.bench.llama_cpp import check_llama_flags, llama_server
+from loom.bench.llama_cpp import add_llama_arguments, check_llama_flags, llama_server
 from loom.bench.measure import Target, measure, measure_caching_off, report
 from loom.bench.metrics import Objectives
 from loom.bench.serving import launched_process
@@ -92,23 +92,7 @@ def add_parser(commands: Any) -> argparse.ArgumentParser:
     add("--seed", type=int, default=0)
     add("--warmup", type=int, default=2, help="unmeasured requests first (default: 2)")
     add("--baseline", action="store_true", help="also run transformers generate, static batches")
-    add(
-        "--llama-server",
-        type=Path,
-        default=None,
-        metavar="PATH",
-        help="also drive llama.cpp's llama-server binary at PATH on the model's GGUF file, "
-        "same prompts (see loom/bench/llama_cpp.py)",
-    )
-    add(
-        "--llama-gguf",
-        type=Path,
-        action="append",
-        default=None,
-        metavar="FILE",
-        help="the GGUF file llama-server serves (default: the model's); repeat it to compare "
-        "formats, e.g. a Q4_0 copy made by llama-quantize (llama.cpp repacks Q4_0 for AVX2)",
-    )
+    add_llama_arguments(bench)
     add(
         "--tenants",
         default=None,

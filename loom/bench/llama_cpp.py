@@ -15,6 +15,7 @@ import argparse
 import http.client
 import json
 import os
+import shlex
 import socket
 import subprocess
 import time
@@ -30,7 +31,7 @@ from loom.model.loader import default_model_path
 
 @contextmanager
 def launched_llama_server(
-    binary: Path, gguf: Path, slots: int, tokens_per_slot: int
+    binary: Path, gguf: Path, slots: int, tokens_per_slot: int, extra: tuple[str, ...] = ()
 ) -> Iterator[int]:
     """`llama-server` on a free loopback port; yields the port once /health answers 200."""
     check_llama_server(binary, gguf)
@@ -42,6 +43,7 @@ def launched_llama_server(
         *("--model", str(gguf), "--host", "127.0.0.1", "--port", str(port)),
         *("--parallel", str(slots), "--ctx-size", str(slots * tokens_per_slot)),
         *("--threads", str(os.cpu_count() or 1), "--no-webui"),
+        *extra,
     ]
     process = subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     try:
@@ -58,14 +60,14 @@ def launched_llama_server(
 
 @contextmanager
 def launched_llama_servers(
-    binary: Path, ggufs: list[Path], slots: int, tokens_per_slot: int
+    binary: Path, ggufs: list[Path], slots: int, tokens_per_slot: int, extra: tuple[str, ...] = ()
 ) -> Iterator[dict[str, int]]:
-    """A llama-server per GGUF file; yields their ports by file name. Each idles while another
-    server is measured."""
+    """A llama-server per GGUF file, each with the `extra` flags; yields their ports by file
+    name. Each idles while another server is measured."""
     with ExitStack() as stack:
         yield {
             gguf.name: stack.enter_context(
-                launched_llama_server(binary, gguf, slots, tokens_per_slot)
+                launched_llama_server(binary, gguf, slots, tokens_per_slot, extra)
             )
             for gguf in ggufs
         }
@@ -137,11 +139,43 @@ def llama_server(
 ) -> AbstractContextManager[dict[str, int]]:
     """The llama-servers of `--llama-server`, on each `--llama-gguf` (else the model's file)."""
     ggufs = ggufs_of(args) if args.llama_server is not None else []
-    tokens = args.input_len + args.output_len + 16
-    return launched_llama_servers(args.llama_server, ggufs, max(concurrencies), tokens)
+    tokens = args.input_len + args.output_len + 128  # the rewrite workload's chat template
+    extra = tuple(shlex.split(args.llama_args))
+    return launched_llama_servers(args.llama_server, ggufs, max(concurrencies), tokens, extra)
+
+
+def add_llama_arguments(parser: argparse.ArgumentParser) -> None:
+    """`loom bench`'s flags for llama.cpp's server."""
+    add = parser.add_argument
+    add(
+        "--llama-server",
+        type=Path,
+        default=None,
+        metavar="PATH",
+        help="also drive llama.cpp's llama-server binary at PATH on the model's GGUF file, "
+        "same prompts (see loom/bench/llama_cpp.py)",
+    )
+    add(
+        "--llama-gguf",
+        type=Path,
+        action="append",
+        default=None,
+        metavar="FILE",
+        help="the GGUF file llama-server serves (default: the model's); repeat it to compare "
+        "formats, e.g. a Q4_0 copy made by llama-quantize (llama.cpp repacks Q4_0 for AVX2)",
+    )
+    add(
+        "--llama-args",
+        default="",
+        metavar="FLAGS",
+        help="more flags for each llama-server, e.g. its n-gram speculation: "
+        '"--spec-type ngram-simple --draft-max 4"',
+    )
 
 
 def check_llama_flags(args: argparse.Namespace) -> None:
+    if args.llama_args and args.llama_server is None:
+        raise ValueError("--llama-args are flags of --llama-server: give --llama-server")
     if args.llama_gguf and args.llama_server is None:
         raise ValueError("--llama-gguf names what --llama-server serves: give --llama-server")
     if args.llama_gguf and len({g.name for g in args.llama_gguf}) < len(args.llama_gguf):

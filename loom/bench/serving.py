@@ -95,8 +95,8 @@ def make_rewrite_workload(
     for start in starts:
         passage = tokenizer.decode(text[start : start + input_len])
         messages = [{"role": "user", "content": REWRITE.format(passage)}]
-        ids = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
-        prompts.append(tuple(ids))
+        chat = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+        prompts.append(tuple(tokenizer.encode(chat, add_special_tokens=False)))
     return Workload(prompts=tuple(prompts), output_len=output_len)
 
 

@@ -8,7 +8,9 @@ attention (K/V write, gather, SDPA). What is left (norms, rotary, residual adds,
 Python, and the parts slowing each other down through the caches) is the difference. Where a
 step's layers go into the kernels in one call (q4), "per op" is the same step with them called
 one by one from Python, as the other methods are, the two timed in turn: the difference is the
-dispatch saved. A prefill step of `--prefill` prompts of `--prompt-len` tokens is timed whole.
+dispatch saved. With `--drafts K`, "verify" is the step of speculative decoding: each sequence
+computes its token and K draft tokens and samples at all K + 1 positions, timed in turn with
+the others. A prefill step of `--prefill` prompts of `--prompt-len` tokens is timed whole.
 Figures are medians of `--repeats`.
 """
 
@@ -52,6 +54,7 @@ def add_parser(commands: Any) -> argparse.ArgumentParser:
     add("--prefill", type=int, default=4, help="prompts in the prefill step (default: 4)")
     add("--prompt-len", type=int, default=128, help="tokens per prefill prompt (default: 128)")
     add("--repeats", type=int, default=10, help="timings per figure (default: 10)")
+    add("--drafts", type=int, default=0, help="draft tokens a verify step takes (default: 0)")
     add("--device", default="auto", help="auto, cpu, cuda[:N]")
     add("--dtype", default="auto", help="auto (float32 on cpu, bfloat16 on cuda) or a dtype name")
     add("--quantization", default="none", choices=METHODS, help="as loom serve's (default: none)")
@@ -77,12 +80,13 @@ def run(args: argparse.Namespace) -> None:
     for flag, value in [("--prefill", args.prefill), ("--prompt-len", args.prompt_len)]:
         at_least(1)(flag, value)
     at_least(1)("--repeats", args.repeats)
+    at_least(0)("--drafts", args.drafts)
     device = resolve_device(args.device)
     dtype = resolve_dtype(args.dtype, device)
     check_method(args.quantization, device, dtype)
     loaded = load_model(args.model, dtype=dtype, device=device)
     loaded = attrs.evolve(loaded, quantization=args.quantization)
-    blocks_per_seq = -(-(args.context + 1) // BLOCK_SIZE)
+    blocks_per_seq = -(-(args.context + 1 + args.drafts) // BLOCK_SIZE)
     blocks_per_prompt = -(-args.prompt_len // BLOCK_SIZE)
     num_blocks = 1 + 2 * max(blocks_per_seq * max(sizes), blocks_per_prompt * args.prefill)
     cache = CacheConfig(
@@ -100,16 +104,18 @@ def run(args: argparse.Namespace) -> None:
         f"{'in place' if runner.model.decode_in_place else 'over gathered blocks'}, "
         f"{args.context} tokens cached per sequence; ms, median of {args.repeats}"
     )
+    verify = f"verify {args.drafts}" if args.drafts else ""
     print(
         f"{'sequences':>10} {'step':>8} {'per op':>8} {'linear':>8} {'LM head':>8} "
-        f"{'attention':>10} {'rest':>8}"
+        f"{'attention':>10} {'rest':>8} {verify:>9}"
     )
     for num_seqs in sizes:
-        parts = decode_parts(runner, num_seqs, args.context, args.repeats)
+        parts = decode_parts(runner, num_seqs, args.context, args.repeats, args.drafts)
         rest = parts["step"] - parts["linear"] - parts["lm_head"] - parts["attention"]
+        verified = f"{parts['verify']:>9.2f}" if args.drafts else ""
         print(
             f"{num_seqs:>10} {parts['step']:>8.2f} {parts['per_op']:>8.2f} {parts['linear']:>8.2f} "
-            f"{parts['lm_head']:>8.2f} {parts['attention']:>10.2f} {rest:>8.2f}"
+            f"{parts['lm_head']:>8.2f} {parts['attention']:>10.2f} {rest:>8.2f} {verified}"
         )
     prompts = scheduled(runner, args.prefill, 0, args.prompt_len, prefill=True)
     prefill_ms = median_ms(lambda: runner.execute_model(prompts), max(2, args.repeats // 3))
@@ -117,18 +123,26 @@ def run(args: argparse.Namespace) -> None:
 
 
 def scheduled(
-    runner: ModelRunner, num_seqs: int, context: int, new_tokens: int, *, prefill: bool = False
+    runner: ModelRunner,
+    num_seqs: int,
+    context: int,
+    new_tokens: int,
+    *,
+    prefill: bool = False,
+    drafts: int = 0,
 ) -> SchedulerOutput:
-    """Greedy sequences over blocks taken at random from the pool (block 0 is the null block)."""
-    per_seq = -(-(context + new_tokens) // BLOCK_SIZE)
+    """Greedy sequences over blocks taken at random from the pool (block 0 is the null block),
+    each decoding one token (and verifying `drafts` draft tokens) or prefilling `new_tokens`."""
+    per_seq = -(-(context + new_tokens + drafts) // BLOCK_SIZE)
     blocks = (torch.randperm(runner.num_blocks - 1)[: num_seqs * per_seq] + 1).tolist()
     sequences = [
         ScheduledSequence(
             request_id=str(i),
-            token_ids=tuple(range(5, 5 + new_tokens)) if prefill else (5,),
+            token_ids=tuple(range(5, 5 + new_tokens)) if prefill else (5, *range(6, 6 + drafts)),
             num_computed_tokens=context,
             block_table=tuple(blocks[i * per_seq : (i + 1) * per_seq]),
             sampling=GREEDY,
+            draft_token_ids=tuple(range(6, 6 + drafts)),
         )
         for i in range(num_seqs)
     ]
@@ -137,7 +151,7 @@ def scheduled(
 
 @torch.inference_mode()
 def decode_parts(
-    runner: ModelRunner, num_seqs: int, context: int, repeats: int
+    runner: ModelRunner, num_seqs: int, context: int, repeats: int, drafts: int = 0
 ) -> dict[str, float]:
     model, cache = runner.model, runner.kv_cache
     step = scheduled(runner, num_seqs, context, 1)
@@ -165,7 +179,14 @@ def decode_parts(
         finally:
             model.decode_weights = decode_weights
 
-    steps = alternating_ms({"step": lambda: runner.execute_model(step), "per_op": per_op}, repeats)
+    timed: dict[str, Callable[[], object]] = {
+        "step": lambda: runner.execute_model(step),
+        "per_op": per_op,
+    }
+    if drafts:
+        verify = scheduled(runner, num_seqs, context, 1, drafts=drafts)
+        timed["verify"] = lambda: runner.execute_model(verify)
+    steps = alternating_ms(timed, repeats)
     return {
         **steps,
         "linear": median_ms(linears, repeats),
