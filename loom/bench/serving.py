@@ -86,10 +86,13 @@ def make_rewrite_workload(
 ) -> Workload:
     """Prompts asking for a passage of `input_len` tokens to be written out again (in the
     model's chat template, so a few tokens more); passages start at distinct random tokens of
-    the shipped text. Without a tokenizer (the simulated model): the standard prompts."""
+    the shipped text, its paragraphs unwrapped. Without a tokenizer (the simulated model): the
+    standard prompts."""
     if tokenizer is None:
         return make_workload(tokenizer, num_prompts, input_len, output_len, seed)
-    text = tokenizer.encode(TEXT.read_text(), add_special_tokens=False)
+    # Paragraphs on one line each, as prose in a chat is (the file wraps at 70 columns).
+    paragraphs = (" ".join(p.split()) for p in TEXT.read_text().split("\n\n"))
+    text = tokenizer.encode("\n\n".join(p for p in paragraphs if p), add_special_tokens=False)
     starts = random.Random(seed).sample(range(len(text) - input_len), num_prompts)
     prompts = []
     for start in starts:

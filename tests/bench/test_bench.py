@@ -13,7 +13,7 @@ from typing import Any
 import pytest
 
 from loom.bench.metrics import Objectives, RequestTiming, percentile, summarize
-from loom.bench.serving import make_workload
+from loom.bench.serving import TEXT, make_rewrite_workload, make_workload
 from loom.cli import main
 
 
@@ -51,6 +51,21 @@ def test_bench_workload_prompts_have_the_exact_length_and_differ(smollm2_tokeniz
     assert make_workload(smollm2_tokenizer, 8, 128, 16, seed=3) == workload
 
 
+def test_bench_rewrite_prompts_ask_for_a_passage_of_the_shipped_text(
+    smollm2_tokenizer: Any,
+) -> None:
+    workload = make_rewrite_workload(smollm2_tokenizer, 4, 64, 16, seed=3)
+    text = " ".join(TEXT.read_text().split())
+    for prompt in workload.prompts:
+        chat = smollm2_tokenizer.decode(prompt)
+        assert "word for word" in chat
+        passage = chat.split("without any change:")[1].split("<|im_end|>")[0].strip()
+        assert passage.replace("\n\n", " ") in text  # paragraphs unwrapped, in the text's order
+        assert len(smollm2_tokenizer.encode(passage)) in range(60, 69)  # 64 as tokenized alone
+    assert len(set(workload.prompts)) == 4
+    assert make_rewrite_workload(smollm2_tokenizer, 4, 64, 16, seed=3) == workload
+
+
 def test_bench_runs_against_a_launched_server_with_the_baseline(
     tiny_folder: Path, tmp_path: Path
 ) -> None:
@@ -84,6 +99,16 @@ def test_bench_drives_the_simulated_model_with_many_streams(tmp_path: Path) -> N
     (run,) = json.loads(out.read_text())["runs"]
     assert run["loom"]["completed"] == 300
     assert run["loom"]["output_tokens"] == 300 * 8
+
+
+def test_bench_prints_the_acceptance_of_draft_tokens() -> None:
+    """A simulated model whose output cycles, with n-gram drafts: every draft is accepted."""
+    command = [sys.executable, "-m", "loom", "bench", "--model", "sim:step_ms=1,cycle=7"]
+    command += ["--concurrency", "2", "--input-len", "8", "--output-len", "40"]
+    command += ["--serve-args=--speculative-method ngram --num-speculative-tokens 4"]
+    result = subprocess.run(command, capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0, result.stderr[-2000:]
+    assert "drafts accepted 100.0%, mean accepted length 5.00" in result.stdout
 
 
 @pytest.mark.parametrize("workload", ["standard", "multi-turn"])
@@ -163,7 +188,7 @@ TWO_OF_ONE_NAME = ["--llama-gguf", "a/x.gguf", "--llama-gguf", "b/x.gguf"]
         (["--turns", "0"], "--turns must be at least 1, got 0"),
         (
             ["--workload", "multi-turn", "--baseline"],
-            "--baseline and --llama-server run the standard workload only",
+            "--baseline and --llama-server run the standard and rewrite workloads",
         ),
         (["--compare-prefix-caching"], "--compare-prefix-caching launches both servers"),
         (["--api", "openai"], "--api openai with --address needs --http-address HOST:PORT"),
@@ -173,6 +198,7 @@ TWO_OF_ONE_NAME = ["--llama-gguf", "a/x.gguf", "--llama-gguf", "b/x.gguf"]
             "--llama-server serves GGUF files; the model is some/folder",
         ),
         (["--llama-gguf", "a.gguf"], "--llama-gguf names what --llama-server serves"),
+        (["--llama-args", "--spec-type ngram-simple"], "--llama-args are flags of --llama-server"),
         (
             ["--llama-server", sys.executable, *TWO_OF_ONE_NAME],
             "--llama-gguf: each file needs a name of its own",
