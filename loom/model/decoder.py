@@ -22,12 +22,12 @@ import torch
 import torch.nn.functional as F  # noqa: N812
 
 from loom.model.attention import (
-    AttentionMetadata,
     can_decode_in_place,
     decode_group,
     paged_attention,
     write_kv,
 )
+from loom.model.attention_metadata import AttentionMetadata
 from loom.model.decoder_layer import (
     DecoderLayer,
     decode_weights,

@@ -23,7 +23,7 @@ from loom.core.request import PromptScoring
 from loom.core.request_output import Logprobs
 from loom.core.speculative import emitted, sampling_rows
 from loom.core.step import ModelRunnerOutput, ScheduledSequence, SchedulerOutput
-from loom.model.attention import AttentionMetadata, build_attention_metadata
+from loom.model.attention_metadata import AttentionMetadata, build_attention_metadata
 from loom.model.decoder import DecoderModel
 from loom.model.device import DTYPES, available_memory
 from loom.model.kv_cache import KVCache

@@ -1,10 +1,14 @@
-"""Attention metadata: the worked example of loom/attention.py, checked index by index."""
+"""Attention metadata: the worked example of loom/model/attention_metadata.py, index by index."""
 
 from __future__ import annotations
 
 import torch
 
-from loom.model.attention import MAX_ROWS_IN_PLACE, AttentionGroup, build_attention_metadata
+from loom.model.attention_metadata import (
+    MAX_ROWS_IN_PLACE,
+    AttentionGroup,
+    build_attention_metadata,
+)
 
 CPU = torch.device("cpu")
 T, F = True, False
