@@ -92,6 +92,7 @@ class Request:
     # Speculative decoding (loom/core/speculative.py): its tokens as the proposer searches
     # them, and the draft tokens it verified and accepted, all time.
     token_bytes: bytearray = attrs.field(init=False, factory=bytearray, repr=False)
+    num_drafts: int = 0  # steps with drafts
     num_draft_tokens: int = 0
     num_accepted_tokens: int = 0
 

@@ -18,9 +18,8 @@ tenant's, the lowest priority, the latest admitted. Waiting requests are admitte
 steps that preempted nothing; a preempted one resumes once blocks for all its tokens are free.
 Constrained rows past the step's mask budget wait a step (loom/core/mask_budget.py).
 
-The `scheduling_policy` (loom/core/policy.py) orders admission and picks the victims: `fair`
-(default) shares slots and tokens by tenant weight (loom/core/fair_share.py); `priority`, by
-priority then arrival; `fcfs`, by arrival.
+The `scheduling_policy` (loom/core/policy.py: fair, priority, fcfs) orders admission and
+picks the victims.
 
 With prefix caching, a waiting request first takes the cached blocks that hold the longest run
 of its full blocks (whole blocks only, never its last token: a step must compute at least one
@@ -112,7 +111,6 @@ class Scheduler:
     def schedule(self, now: float) -> SchedulerOutput | None:
         budget = self.config.max_num_batched_tokens
         chosen: list[tuple[Request, int]] = []
-        drafts: dict[str, tuple[int, ...]] = {}  # by request: its draft tokens, if any
         for victim in self.policy.rebalance(self.waiting, self.running, self.config.max_num_seqs):
             self.preempt(victim)
         num_preemptions = self.num_preemptions
@@ -122,16 +120,19 @@ class Scheduler:
             if request.paused or request.status is not RequestStatus.RUNNING:
                 continue  # paused, or preempted earlier in this loop
             num_new = min(request.num_tokens - request.num_computed_tokens, budget)
-            guess = self.spec.draft(request, budget, self.block_manager) if num_new == 1 else ()
             if self.reserve(request, num_new, chosen):
                 chosen.append((request, num_new))
-                budget -= num_new + len(guess)
-                if guess:
-                    drafts[request.request_id] = guess
+                budget -= num_new
         if self.num_preemptions == num_preemptions:
             self.admit_waiting(chosen, budget)
-        chosen = within_mask_budget(chosen, self.config.step_mask_budget, self.policy.mask_key)
-        if not chosen:
+        # Drafts last, from the budget and the free blocks left: no guess starves or preempts.
+        budget = self.config.max_num_batched_tokens - sum(n for _, n in chosen)
+        drafts = self.spec.drafts(chosen, budget, self.block_manager)
+        kept = within_mask_budget(chosen, self.config.step_mask_budget, self.policy, drafts)
+        for request in {r for r, _ in chosen} - {r for r, _ in kept}:  # they wait a step:
+            if drafts.pop(request.request_id, None):  # their drafts' blocks back at once
+                self.block_manager.trim(request.request_id, request.num_tokens)
+        if not (chosen := kept):
             return None
         self.num_steps += 1
         for request, num_new in chosen:
@@ -217,12 +218,10 @@ class Scheduler:
         self, output: SchedulerOutput, result: ModelRunnerOutput, now: float, rate: float = 0.0
     ) -> list[tuple[Request, RequestOutput]]:
         """Apply a finished step, in one pass: each request that received tokens, with its
-        output, every stop already applied (EOS, stop token ids, max_tokens, and stop strings,
-        which win over a token stop on the same token, as in vLLM): a delta, or the final
-        output of a request a token finished (tokens after the one that ends it are dropped).
-        A constrained token's tenant is charged what it cost the grammar at `rate` (service a
-        second: loom/engine/engine_core.py), before a finish that may leave the tenant without
-        a counter to charge."""
+        output (a delta, or the final output of a request a token ended: tokens after it are
+        dropped), every stop applied (EOS, stop token ids, max_tokens, and stop strings, which
+        win over a token stop on the same token, as in vLLM). A constrained token's tenant is
+        charged what it cost the grammar at `rate` (loom/engine/engine_core.py), before a finish."""
         emitted, advanced = result.by_request(), []
         for seq in output.sequences:
             request = self.requests.get(seq.request_id)

@@ -31,7 +31,7 @@ import attrs
 from loom.core.block_manager import BlockManager
 from loom.core.request import Request
 from loom.core.request_output import Logprobs
-from loom.core.setting import at_least, in_range, setting
+from loom.core.setting import in_range, setting
 from loom.core.step import ModelRunnerOutput, SamplingInput, ScheduledSequence
 
 TOKEN_BYTES = array("i").itemsize  # 4
@@ -49,13 +49,16 @@ class SpeculativeConfig:
         choices=("ngram",),
     )
     num_speculative_tokens: int = setting(
-        4, "most draft tokens a request verifies a step", check=in_range(1, 64)
+        4,
+        "most draft tokens a request verifies a step (its step attends at most 16 new tokens "
+        "a sequence as decode rows)",
+        check=in_range(1, 15),
     )
     prompt_lookup_max: int = setting(
-        4, "longest n-gram the ngram method looks up", check=at_least(1)
+        4, "longest n-gram the ngram method looks up", check=in_range(1, 16)
     )
     prompt_lookup_min: int = setting(
-        2, "shortest n-gram the ngram method looks up", check=at_least(1)
+        2, "shortest n-gram the ngram method looks up", check=in_range(1, 16)
     )
 
     def __attrs_post_init__(self) -> None:
@@ -83,30 +86,39 @@ class Speculation:
         self.proposer = NgramProposer.of(self.config)
         self.accepted_per_pos = [0] * self.config.num_speculative_tokens
 
-    def draft(self, request: Request, budget: int, blocks: BlockManager) -> tuple[int, ...]:
-        """Draft tokens for a request about to compute its one last token, with the blocks
-        for them taken: none with speculation off, for a constrained request, or when blocks
-        are short (a guess never preempts). As many as the step's token `budget` (the last
-        token's included) and max_tokens allow: a step emits one token more than it accepts."""
-        if (
-            self.proposer is None
-            or request.num_tokens - request.num_computed_tokens != 1
-            or request.matcher is not None
-            or not request.sampling.speculative
-        ):
-            return ()
-        room = request.max_tokens - len(request.output_token_ids) - 1
-        k = min(self.config.num_speculative_tokens, budget - 1, room)
-        drafts = self.proposer.propose(request, k)
-        if drafts and not blocks.allocate(request.request_id, request.num_tokens + len(drafts)):
-            return ()
-        return drafts
+    def drafts(
+        self, chosen: list[tuple[Request, int]], budget: int, blocks: BlockManager
+    ) -> dict[str, tuple[int, ...]]:
+        """Draft tokens, by request, for the step's `chosen` requests that compute their one
+        last token, in order, from the token `budget` the chosen requests' tokens leave and
+        with blocks that are free (`allocate` never preempts): a guess never takes a token or
+        a block a request needs. Each gets as many as max_tokens allows (a step emits one token
+        more than it accepts). A constrained request's drafts are checked against its grammar
+        with its masks (loom/model/grammar.py): those it refuses are never kept."""
+        if self.proposer is None:
+            return {}
+        found: dict[str, tuple[int, ...]] = {}
+        for request, num_new in chosen:
+            if budget <= 0:
+                break
+            if num_new != 1 or request.num_tokens - request.num_computed_tokens != 1:
+                continue  # a prompt chunk
+            if not request.sampling.speculative:
+                continue
+            room = request.max_tokens - len(request.output_token_ids) - 1
+            k = min(self.config.num_speculative_tokens, budget, room)
+            drafts = self.proposer.propose(request, k)
+            if drafts and blocks.allocate(request.request_id, request.num_tokens + len(drafts)):
+                found[request.request_id] = drafts
+                budget -= len(drafts)
+        return found
 
     def verified(self, request: Request, drafts: tuple[int, ...], num_emitted: int) -> int:
         """The drafts a step accepted (it emitted those and one token more), counted."""
         if not drafts:
             return 0
         num_accepted = max(num_emitted - 1, 0)
+        request.num_drafts += 1
         request.num_draft_tokens += len(drafts)
         request.num_accepted_tokens += num_accepted
         self.num_drafts += 1

@@ -43,7 +43,7 @@ from loom.engine.config import EngineConfig
 from loom.engine.observer import Observer
 from loom.engine.request_stream import RequestStream
 from loom.engine.stats import EngineStats
-from loom.model.grammar import GrammarMatcher
+from loom.model.grammar import Drafted, GrammarMatcher
 from loom.model.loader import LoadedModel
 from loom.model.model_runner import ModelRunner
 
@@ -139,11 +139,11 @@ class EngineCore:
         for request, out in self.scheduler.update(output, result, now, units / max(took, 1e-9)):
             self.publish(request, out, now)
         if matchers:  # the step's grammar time, all rows together
-            self.observer.masked(sum(m.step_seconds for m in matchers))
+            self.observer.masked(sum(m.step_seconds for m, _ in matchers))
 
-    def constrained(self, output: SchedulerOutput) -> list[GrammarMatcher]:
-        """The matchers of the step's constrained sampling rows, in the sampler's order (none
-        skipped: a row dropped here would shift every later row's mask)."""
+    def constrained(self, output: SchedulerOutput) -> list[Drafted]:
+        """The matchers of the step's constrained sampling sequences, with their drafts, in the
+        sampler's order (none skipped: a row dropped here would shift every later row's mask)."""
         matchers = []
         for seq in output.sequences:
             if seq.sampling is None or not seq.sampling.constrained:
@@ -151,7 +151,7 @@ class EngineCore:
             matcher = self.scheduler.requests[seq.request_id].matcher
             if not isinstance(matcher, GrammarMatcher):
                 raise TypeError(f"a constrained row's matcher is {type(matcher).__name__}")
-            matchers.append(matcher)
+            matchers.append((matcher, seq.draft_token_ids))
         return matchers
 
     def publish(self, request: Request, output: RequestOutput, now: float) -> None:

@@ -82,7 +82,7 @@ class Observer:
 
     def ended(self, request: Request, final: RequestOutput, now: float) -> None:
         self.metrics.ended(request, now)
-        self.ledger.ended(request.tenant, request.num_cached_tokens)
+        self.ledger.ended(request)
         log_request(request, final)
         self.state_changed()
 
@@ -95,7 +95,9 @@ class Observer:
     ) -> EngineStats:
         """The figures now; by tenant, every tenant's or (`tenant`) that one's alone."""
         tenants = self.ledger.of(scheduler, pending, tenant)
-        return EngineStats.of(scheduler, pending, tenants, self.rate(scheduler), viewer=tenant)
+        spec = self.ledger.spec.get(tenant or "", (0, 0, 0))
+        rate = self.rate(scheduler)
+        return EngineStats.of(scheduler, pending, tenants, rate, viewer=tenant, spec_of_viewer=spec)
 
     def rate(self, scheduler: Scheduler) -> float:
         """The generation rate, as the stats report it (every tenant's)."""

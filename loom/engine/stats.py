@@ -6,6 +6,7 @@ from collections import Counter
 
 import attrs
 
+from loom.core.request import Request
 from loom.core.scheduler import Scheduler
 from loom.core.speculative import Speculation
 from loom.engine.config import EngineConfig
@@ -37,6 +38,8 @@ class TenantLedger:
     generated_tokens: Counter[str] = attrs.field(factory=Counter)
     cached_tokens: Counter[str] = attrs.field(factory=Counter)
     refused: Counter[str] = attrs.field(factory=Counter)
+    # Speculative decoding, of the requests ended: (drafts, draft tokens, accepted tokens).
+    spec: dict[str, tuple[int, int, int]] = attrs.field(factory=dict)
     weights: dict[str, float] = attrs.field(factory=dict)  # each one's latest
     recent: dict[str, None] = attrs.field(factory=dict)  # least recently active first
 
@@ -49,9 +52,17 @@ class TenantLedger:
         self.seen(tenant)
         self.generated_tokens[tenant] += num_tokens
 
-    def ended(self, tenant: str, num_cached_tokens: int) -> None:
+    def ended(self, request: Request) -> None:
+        tenant = request.tenant
         self.seen(tenant)
-        self.cached_tokens[tenant] += num_cached_tokens
+        self.cached_tokens[tenant] += request.num_cached_tokens
+        if request.num_drafts:
+            drafts, tokens, accepted = self.spec.get(tenant, (0, 0, 0))
+            self.spec[tenant] = (
+                drafts + request.num_drafts,
+                tokens + request.num_draft_tokens,
+                accepted + request.num_accepted_tokens,
+            )
 
     def refusal(self, tenant: str) -> None:
         self.seen(tenant)
@@ -65,6 +76,7 @@ class TenantLedger:
             for figures in (self.prompt_tokens, self.generated_tokens, self.cached_tokens):
                 figures.pop(forgotten, None)
             self.refused.pop(forgotten, None)
+            self.spec.pop(forgotten, None)
             self.weights.pop(forgotten, None)
             del self.recent[forgotten]
 
@@ -109,7 +121,8 @@ class EngineStats:
     tenants: dict[str, TenantStats]  # each the viewer may see: its own, or all
     num_waiting_tokens: int  # prompt tokens of the queued requests (not paused)
     gen_throughput: float  # tokens generated a second, every tenant's, lately (Throughput)
-    # Speculative decoding's figures, every tenant's (as the rate): None with it off.
+    # Speculative decoding's figures: a viewer's own (of its requests ended), every tenant's
+    # without one; None with it off.
     spec_decode: SpecDecodeStats | None = None
 
     @classmethod
@@ -120,6 +133,7 @@ class EngineStats:
         tenants: dict[str, TenantStats],
         gen_throughput: float,
         viewer: str | None = None,
+        spec_of_viewer: tuple[int, int, int] = (0, 0, 0),
     ) -> EngineStats:
         """The figures as `viewer` may see them (`tenants`: that tenant's alone, then)."""
         prompt, generated = scheduler.num_prompt_tokens, scheduler.num_generated_tokens
@@ -145,7 +159,9 @@ class EngineStats:
             tenants=tenants,
             num_waiting_tokens=scheduler.num_waiting_tokens(viewer),
             gen_throughput=gen_throughput,
-            spec_decode=SpecDecodeStats.of(scheduler.spec),
+            spec_decode=SpecDecodeStats.of(
+                scheduler.spec, None if viewer is None else spec_of_viewer
+            ),
         )
 
 
@@ -157,12 +173,18 @@ class SpecDecodeStats:
     num_drafts: int  # steps of a request with drafts
     num_draft_tokens: int
     num_accepted_tokens: int
-    accepted_per_pos: tuple[int, ...]  # accepted at draft position 0, 1, ...
+    accepted_per_pos: tuple[int, ...] = ()  # accepted at draft position 0, 1, ... (all's)
 
     @classmethod
-    def of(cls, spec: Speculation) -> SpecDecodeStats | None:
+    def of(
+        cls, spec: Speculation, viewer: tuple[int, int, int] | None = None
+    ) -> SpecDecodeStats | None:
+        """Every tenant's, or a `viewer`'s own (drafts, draft tokens, accepted tokens)."""
         if spec.proposer is None:
             return None
+        if viewer is not None:
+            drafts, tokens, accepted = viewer
+            return cls(num_drafts=drafts, num_draft_tokens=tokens, num_accepted_tokens=accepted)
         return cls(
             num_drafts=spec.num_drafts,
             num_draft_tokens=spec.num_draft_tokens,

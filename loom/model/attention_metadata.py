@@ -19,8 +19,9 @@ a first chunk of 3 tokens:
 Keys are read a whole block at a time (a block is `block_size` contiguous rows of the pool, so
 one large copy per block rather than one small copy per token). Sequences are attended in
 groups padded to a common query length `Q` and block count `B` (`L = B * block_size` keys): one
-group for single-token (decode) sequences, one for the rest (prefill chunks), so that a long
-chunk does not pad every decode to its length. With the in-place kernel
+group for single-token (decode) sequences, one for short runs of at most MAX_ROWS_IN_PLACE
+tokens (drafts to verify), one for the rest (prefill chunks), so that a long chunk does not pad
+every decode and every verification to its length. With the in-place kernel
 (loom/model/attention.py), a sequence of at most MAX_ROWS_IN_PLACE new tokens (one verifying
 draft tokens) is that many decode rows: row j a query at num_computed + j attending keys up to
 its own, so that a verifying step stays one decode group. Padding blocks are block 0, the null
@@ -88,19 +89,19 @@ def build_attention_metadata(
             for s, q_len in enumerate(query_lens)
         ]
     )
-    split = MAX_ROWS_IN_PLACE if decode_in_place else 1
-    decode, prefill = group_members(num_computed, query_lens, block_tables, starts, split)
+    members = group_members(num_computed, query_lens, block_tables, starts, decode_in_place)
     groups = tuple(
         build_group(
-            members,
+            group,
             block_size,
             device,
             num_queries_per_kv,
             dtype,
             windows,
+            masks=not (decode_in_place and i == 0),  # the kernel reads no mask
         )
-        for members in (decode, prefill)
-        if members
+        for i, group in enumerate(members)
+        if group
     )
     return AttentionMetadata(
         slot_mapping=slot_mapping.to(device), groups=groups, decode_in_place=decode_in_place
@@ -112,23 +113,27 @@ def group_members(
     query_lens: Sequence[int],
     block_tables: Sequence[Sequence[int]],
     starts: Sequence[int],
-    split: int,
-) -> tuple[list[Member], list[Member]]:
-    """The decode group's members and the prefill group's: a sequence of at most `split` new
-    tokens is a decode row per token, row j attending its first num_computed + j + 1 keys (all
-    written before any is read); a longer one is a prefill member whole."""
+    in_place: bool,
+) -> tuple[list[Member], list[Member], list[Member]]:
+    """The members of the decode group, the short group and the long one. Decode: each
+    one-token sequence; `in_place`, also each token of a sequence of at most
+    MAX_ROWS_IN_PLACE, as a row attending its first num_computed + j + 1 keys (all written
+    before any is read). Short: without `in_place`, those sequences whole, so that drafts to
+    verify are not padded to a long prompt chunk. Long: the longer sequences."""
+    split = MAX_ROWS_IN_PLACE if in_place else 1
     decode = [
         (num_computed[s] + j, 1, block_tables[s], starts[s] + j)
         for s, q_len in enumerate(query_lens)
         if q_len <= split
         for j in range(q_len)
     ]
-    prefill = [
-        (num_computed[s], q_len, block_tables[s], starts[s])
-        for s, q_len in enumerate(query_lens)
-        if q_len > split
-    ]
-    return decode, prefill
+    short: list[Member] = []
+    long: list[Member] = []
+    for s, q_len in enumerate(query_lens):
+        if q_len > split:
+            group = short if q_len <= MAX_ROWS_IN_PLACE else long
+            group.append((num_computed[s], q_len, block_tables[s], starts[s]))
+    return decode, short, long
 
 
 def slots_for(block_table: Sequence[int], positions: range, block_size: int) -> torch.Tensor:
@@ -144,7 +149,11 @@ def build_group(
     num_queries_per_kv: int,
     dtype: torch.dtype,
     windows: Sequence[int] = (),
+    *,
+    masks: bool = True,
 ) -> AttentionGroup:
+    """The group's padded queries, block index and lengths; without `masks` (a group the
+    in-place kernel reads: it masks by length), no masks, which cost the most to build."""
     computed = torch.tensor([m[0] for m in members], dtype=torch.long)
     q_lens = torch.tensor([m[1] for m in members], dtype=torch.long)
     block_tables, starts = [m[2] for m in members], [m[3] for m in members]
@@ -162,14 +171,14 @@ def build_group(
     # A query at absolute position p attends keys 0..p. Padded queries repeat the last real one,
     # so every row has at least one key and SDPA never sees a fully masked row.
     query_pos = computed[:, None] + last_offset  # [S, Q]
-    key_pos = torch.arange(max_blocks * block_size)
+    key_pos = torch.arange(max_blocks * block_size if masks else 0)
     distance = query_pos[:, :, None] - key_pos[None, None, :]  # [S, Q, L]
     mask = additive_mask(distance >= 0, max_q > 1, num_queries_per_kv, dtype)
     # A window w keeps the keys 0 <= distance < w (transformers' sliding window), the query's
     # own key among them: no row is ever fully masked.
     window_masks = {
         w: additive_mask((distance >= 0) & (distance < w), max_q > 1, num_queries_per_kv, dtype)
-        for w in windows
+        for w in (windows if masks else ())
     }
     return AttentionGroup(
         query_index=query_index.to(device),

@@ -106,6 +106,9 @@ class GrammarMatcher:
         return f"the constraint failed: {message[:MAX_ERROR_CHARS]}" if message else ""
 
 
+Drafted = tuple[GrammarMatcher, tuple[int, ...]]  # a constrained row and its draft tokens
+
+
 class Grammars:
     """The model's tokenizer as llguidance sees it, and the threads that compile for it."""
 
@@ -195,20 +198,23 @@ class Grammars:
         """A request's own matcher, from a compiled template."""
         return GrammarMatcher(template.matcher.deep_copy(), template)
 
-    def fill(self, matchers: Sequence[GrammarMatcher]) -> StepMasks:
-        """What each matcher allows next (`masks_of`). A matcher in error allows every
+    def fill(self, rows: Sequence[Drafted]) -> StepMasks:
+        """What each matcher allows next (`masks_of`), and, for one with k draft tokens, what
+        it allows after each of them: k + 1 rows (`fill_rows`). A matcher in error allows every
         token: its request ends with the error when its next token is applied (an all-zero
         row would leave nothing to sample). From SPLIT_SECONDS of expected work on, the
         second half is filled on the other mask thread at once (llguidance drops the GIL as
         it computes a mask)."""
         words = (self.prepare().vocab_size + 31) // 32
-        mask = torch.full((len(matchers), words), -1, dtype=torch.int32)
-        if len(matchers) < 2 or sum(m.token_seconds for m in matchers) < SPLIT_SECONDS:
-            fill_rows(matchers, mask, words)
+        mask = torch.full((sum(1 + len(d) for _, d in rows), words), -1, dtype=torch.int32)
+        work = sum(m.token_seconds * (1 + len(d)) for m, d in rows)
+        if len(rows) < 2 or work < SPLIT_SECONDS:
+            fill_rows(rows, mask, words)
             return masks_of(mask, self.vocab_size)
-        half = len(matchers) // 2
-        other = self.masking.submit(fill_rows, matchers[half:], mask[half:], words)
-        fill_rows(matchers[:half], mask[:half], words)
+        half = len(rows) // 2
+        at = sum(1 + len(d) for _, d in rows[:half])
+        other = self.masking.submit(fill_rows, rows[half:], mask[at:], words)
+        fill_rows(rows[:half], mask[:at], words)
         other.result()
         return masks_of(mask, self.vocab_size)
 
@@ -218,19 +224,30 @@ def recent_peak(seconds: float, figure: float) -> float:
     return max(seconds, figure / 2)
 
 
-def fill_rows(matchers: Sequence[GrammarMatcher], mask: torch.Tensor, words: int) -> None:
-    """Each row's mask, timed in this thread's CPU time (a wall clock would also count the
+def fill_rows(rows: Sequence[Drafted], mask: torch.Tensor, words: int) -> None:
+    """Each matcher's masks, timed in this thread's CPU time (a wall clock would also count the
     forward pass's threads that share the cores: a tenant pays for its own work only), the
-    first part of its step's cost (GrammarMatcher.consume adds the second)."""
-    for i, m in enumerate(matchers):  # one by one: llguidance's executor spins threads
+    first part of its step's cost (GrammarMatcher.consume adds the second). With draft tokens:
+    the drafts its grammar takes (validated first: a refused token would leave the matcher in
+    error for good) are taken one by one, a mask after each, then rolled back; the rows after
+    a refused draft stay all ones (the row before it refuses that draft, so none is kept)."""
+    at = 0
+    for m, drafts in rows:  # one by one: llguidance's executor spins threads
         m.step_seconds = 0.0
-        if not m.matcher.is_error():  # an error leaves the row all ones
+        if not m.matcher.is_error():  # an error leaves the rows all ones
             started = time.thread_time()
-            m.matcher.unsafe_compute_mask_ptr(mask[i].data_ptr(), words * 4)
+            m.matcher.unsafe_compute_mask_ptr(mask[at].data_ptr(), words * 4)
+            taken = drafts[: m.matcher.validate_tokens(list(drafts))] if drafts else ()
+            for i, token in enumerate(taken, start=1):
+                m.matcher.consume_token(token)
+                m.matcher.unsafe_compute_mask_ptr(mask[at + i].data_ptr(), words * 4)
+            if taken:
+                m.matcher.rollback(len(taken))
             m.step_seconds = time.thread_time() - started
         if m.matcher.is_error():
-            mask[i] = -1
+            mask[at : at + 1 + len(drafts)] = -1
             m.token_seconds = 0.0  # no mask is computed for it again
+        at += 1 + len(drafts)
 
 
 def deep_stack_threads(count: int, name: str, nice: int = 0) -> ThreadPoolExecutor:

@@ -192,3 +192,32 @@ def test_scheduler_stops_at_a_stop_inside_the_accepted_drafts(caching: bool) -> 
     fresh = attrs.evolve(with_tokens([1, 2, 3, 1, 2, 3, 1, 2]))
     assert request.block_hashes == block_hashes(fresh, 4, 8)[: len(request.block_hashes)]
     assert len(request.block_hashes) == (1 if caching else 0)
+
+
+def test_scheduler_drafts_from_what_every_request_leaves_never_starving_one() -> None:
+    """Three decoding requests, 4 tokens a step: each gets its token first; the one left over
+    is the first's draft (greedy drafting in order would give the first all four)."""
+    scheduler = make_scheduler(max_num_batched_tokens=4)
+    requests = [attrs.evolve(with_tokens([1, 2, 3, 1]), request_id=name) for name in "abc"]
+    for request in requests:
+        scheduler.add_request(request)
+    while not all(r.output_token_ids for r in requests):  # prefilled, each sampling 2 (and
+        output = drafted(scheduler)  # then [.., 1, 2] has occurred: drafts to propose)
+        scheduler.update(output, speculated(output, 0, bonus=2), now=0.0)
+    output = drafted(scheduler)
+    assert sorted(len(s.token_ids) for s in output.sequences) == [1, 1, 2]
+
+
+def test_scheduler_takes_no_block_for_a_draft_that_a_request_needs() -> None:
+    """One block free: b's next token needs it; a's drafts would too. b gets it, a drafts
+    nothing, and no one is preempted (drafting first, in order, preempted b)."""
+    scheduler = make_scheduler(num_blocks=6)  # 5 of 4 tokens
+    scheduler.add_request(attrs.evolve(with_tokens([1, 2, 3, 1, 2]), request_id="a"))
+    scheduler.add_request(attrs.evolve(with_tokens(list(range(1, 9))), request_id="b"))
+    output = drafted(scheduler)  # 5 + 8 prompt tokens: 2 + 2 blocks
+    scheduler.update(output, sampled(output, 3), now=0.0)
+    assert scheduler.block_manager.num_free_blocks == 1
+    output = drafted(scheduler)
+    assert {s.request_id for s in output.sequences} == {"a", "b"}
+    assert output.sequences[0].draft_token_ids == ()  # a's: no block left for them
+    assert scheduler.num_preemptions == 0

@@ -12,6 +12,7 @@ import pytest
 import trio
 
 from loom.core.config import CacheConfig, SchedulerConfig
+from loom.core.constraint import Constraint, ConstraintKind
 from loom.core.request_output import FinishReason, RequestOutput
 from loom.core.sampling_params import SamplingParams
 from loom.core.speculative import SpeculativeConfig
@@ -147,3 +148,22 @@ async def test_engine_abort_while_drafting_frees_every_block() -> None:
                         break
             await engine.until(lambda: engine.stats().num_running == 0)
             assert_idle(engine)
+
+
+async def test_engine_constrained_output_with_drafts_is_the_output_without(
+    smollm2_tokenizer: Any,
+) -> None:
+    """Drafts under a grammar: each drafted position sampled under the mask its grammar gives
+    after the drafts before it; a draft the grammar refuses is never kept."""
+    loaded = tiny_model("llama", vocab_size=len(smollm2_tokenizer), tokenizer=smollm2_tokenizer)
+    accepted = []
+    for spec in ("(one two three )+", "[a-z ]{1,200}"):
+        constraint = Constraint(kind=ConstraintKind.REGEX, spec=spec)
+        sampling = SamplingParams(temperature=0, max_tokens=40, constraint=constraint)
+        prompt = "one two three one two three one two"
+        plain, drafted, stats = await outputs_with_and_without_drafts(loaded, prompt, sampling)
+        assert tokens_of(drafted) == tokens_of(plain)
+        assert drafted[-1].finish_reason == plain[-1].finish_reason
+        accepted.append((stats.num_accepted_tokens, stats.num_draft_tokens))
+    assert accepted[0][0] > 0  # the forced text: its drafts are what the grammar forces
+    assert accepted[1][1] > accepted[1][0]  # the free one: some drafts refused

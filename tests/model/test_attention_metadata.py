@@ -50,6 +50,7 @@ def test_attention_metadata_in_place_makes_a_short_run_of_tokens_decode_rows() -
         decode_in_place=True,
     )
     (decode,) = metadata.groups
+    assert decode.mask.numel() == 0  # the kernel masks by length: none built
     assert decode.query_index.tolist() == [[0], [1], [2], [3]]
     assert decode.seq_lens.tolist() == [6, 7, 8, 3]  # each row's keys: up to its own
     assert decode.block_index.tolist() == [7, 2, 7, 2, 7, 2, 4, 0]
@@ -63,6 +64,15 @@ def test_attention_metadata_in_place_makes_a_short_run_of_tokens_decode_rows() -
         decode_in_place=True,
     )
     assert [g.query_index.shape[1] for g in metadata.groups] == [1, long]
+    # Gathering instead: a run to verify is a group of its own, not padded to the long chunk.
+    metadata = build_attention_metadata(
+        num_computed=[0, 2, 5],
+        query_lens=[long, 1, 3],
+        block_tables=[list(range(1, long // 4 + 2)), [4], [7, 2]],
+        block_size=4,
+        device=CPU,
+    )
+    assert [g.query_index.shape[1] for g in metadata.groups] == [1, 3, long]
 
 
 def test_attention_metadata_pads_with_the_null_block_and_repeats_padded_queries() -> None:

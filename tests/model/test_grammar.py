@@ -39,7 +39,34 @@ def test_grammar_copies_of_a_compiled_template_each_hold_their_own_state(
     assert first.matcher is not second.matcher  # each request its own state
     first.consume(smollm2_tokenizer.encode("7")[0])
     assert first.matcher.get_error() == ""
-    assert len(grammars.fill([first, second]).allowed) == 2
+    assert len(grammars.fill([(first, ()), (second, ())]).allowed) == 2
+
+
+def test_grammar_masks_a_row_after_each_draft_the_grammar_takes_and_rolls_back(
+    smollm2_tokenizer: Any,
+) -> None:
+    """Speculative decoding: a matcher with k drafts fills k + 1 rows, each what the grammar
+    allows after the drafts before it; from a draft it refuses on, all ones (the row before
+    refuses it, so nothing after it is kept); its state is as it was."""
+    grammars = Grammars(smollm2_tokenizer, 49152, [2], ConstraintConfig())
+    matcher = grammars.copy(grammars.compile(regex("ab(c|d)[0-9]{3}")))
+    a, b, c = (smollm2_tokenizer.encode(t, add_special_tokens=False)[0] for t in "abc")
+    x = smollm2_tokenizer.encode("x", add_special_tokens=False)[0]
+    masks = grammars.fill([(matcher, (a, b, x, c))])
+    rows = masks.allowed
+    assert len(rows) == 5
+    assert rows[0] is not None
+    assert a in rows[0].tolist()
+    assert rows[1] is not None
+    assert b in rows[1].tolist()
+    assert rows[2] is not None
+    assert c in rows[2].tolist()
+    assert x not in rows[2].tolist()
+    assert rows[3] is None
+    assert rows[4] is None
+    assert bool(torch.isfinite(masks.bias).all())
+    assert matcher.matcher.validate_tokens([a, b, c]) == 3  # rolled back to its start
+    assert matcher.error() == ""
 
 
 def test_grammar_masks_allow_what_the_grammar_allows(smollm2_tokenizer: Any) -> None:
@@ -49,7 +76,7 @@ def test_grammar_masks_allow_what_the_grammar_allows(smollm2_tokenizer: Any) -> 
     digits = grammars.copy(grammars.compile(regex("[0-9]{2}")))
     letters = grammars.copy(grammars.compile(regex("[a-z]{2}")))
     lines = grammars.copy(grammars.compile(regex("[^\\n]{1,100}")))
-    masks = grammars.fill([digits, letters, lines])
+    masks = grammars.fill([(digits, ()), (letters, ()), (lines, ())])
     decode = smollm2_tokenizer.decode
     assert masks.allowed[0] is not None
     assert masks.allowed[1] is not None
@@ -193,7 +220,7 @@ def test_grammar_a_gbnf_grammar_is_taken_as_its_lark_and_a_broken_one_refused(
     grammars = Grammars(smollm2_tokenizer, 49152, [2], ConstraintConfig())
     gbnf = Constraint(kind=ConstraintKind.GRAMMAR, spec='root ::= "yes" | "no"')
     matcher = grammars.copy(grammars.compile(gbnf))
-    (allowed,) = grammars.fill([matcher]).allowed
+    (allowed,) = grammars.fill([(matcher, ())]).allowed
     assert allowed is not None
     assert {smollm2_tokenizer.decode([t]) for t in allowed.tolist()} <= {
         "y",

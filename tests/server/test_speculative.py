@@ -17,9 +17,19 @@ from loom.core.config import SchedulerConfig
 from loom.core.speculative import SpeculativeConfig
 from loom.model.loader import LoadedModel
 from loom.server.openai.config import HttpConfig
+from loom.server.tenants import TenantConfig
 from loom.v1 import loom_pb2 as pb
+from tests.server.test_tenants import generate as generate_as
+from tests.server.test_tenants import stats
 from tests.support.greedy import reference_tokens
-from tests.support.grpc_client import generate, greedy, in_asyncio, token_ids, wait_all_blocks_free
+from tests.support.grpc_client import (
+    bearer,
+    generate,
+    greedy,
+    in_asyncio,
+    token_ids,
+    wait_all_blocks_free,
+)
 from tests.support.http_client import openai_client, post
 from tests.support.server_harness import serving
 
@@ -82,3 +92,22 @@ async def test_http_refuses_a_speculative_switch_that_is_not_a_boolean(
         assert status == 400
         assert json.loads(data)["error"]["param"] == "speculative"
         assert pb.SamplingParams(speculative=False).HasField("speculative")
+
+
+async def test_grpc_a_tenant_sees_its_own_draft_figures_an_admin_everyones(
+    tiny_chat: LoadedModel, key_file: str
+) -> None:
+    """Whether another tenant's answers repeat its prompts is its own business: a tenant's
+    spec_decode counts its own ended requests; an admin's counts all, by position too."""
+    tenants = TenantConfig(api_key_file=key_file)
+    async with serving(tiny_chat, scheduler=NGRAM, tenants=tenants) as (_, port):
+        with trio.fail_after(60):
+            await in_asyncio(generate_as, port, greedy(REPEATING, 40), **bearer("key-of-a"))
+            of_a = (await in_asyncio(stats, port, **bearer("key-of-a"))).spec_decode
+            of_b = (await in_asyncio(stats, port, **bearer("key-of-b"))).spec_decode
+            of_all = (await in_asyncio(stats, port, **bearer("key-of-root"))).spec_decode
+    assert of_a.num_accepted_tokens > 0
+    assert of_a.num_draft_tokens == of_all.num_draft_tokens
+    assert list(of_a.accepted_per_pos) == []  # the positions: every tenant's, an admin's
+    assert sum(of_all.accepted_per_pos) == of_all.num_accepted_tokens
+    assert (of_b.num_drafts, of_b.num_draft_tokens, of_b.num_accepted_tokens) == (0, 0, 0)
