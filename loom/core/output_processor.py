@@ -72,6 +72,8 @@ class OutputProcessor:
                 prompt_tokens=request.num_prompt_tokens,
                 completion_tokens=len(request.output_token_ids),
                 cached_tokens=request.num_cached_tokens,
+                draft_tokens=request.num_draft_tokens,
+                accepted_draft_tokens=request.num_accepted_tokens,
             ),
             timings=timings(request, now),
         )

@@ -40,6 +40,9 @@ class Usage:
     prompt_tokens: int
     completion_tokens: int
     cached_tokens: int = 0
+    # Speculative decoding: the draft tokens its steps verified, and of those, accepted.
+    draft_tokens: int = 0
+    accepted_draft_tokens: int = 0
 
 
 @attrs.frozen(kw_only=True)

@@ -1,7 +1,8 @@
 """Speculative decoding through both APIs (a tiny random Llama over SmolLM2's tokenizer, n-gram
 drafts): greedy tokens equal transformers' `generate`, with drafts and without (the per-request
 switch: loom.v1's `speculative`, the OpenAI body's `speculative`); a streamed answer's text is
-the whole answer's; a switch that is not a boolean is refused naming it.
+the whole answer's; a switch that is not a boolean is refused naming it; a tenant sees its own
+draft figures; vLLM's protocol reports a request's drafts.
 
 Rules: loopback only, port 0, a timeout on every I/O test; real server, real clients.
 """
@@ -18,9 +19,11 @@ from loom.core.speculative import SpeculativeConfig
 from loom.model.loader import LoadedModel
 from loom.server.openai.config import HttpConfig
 from loom.server.tenants import TenantConfig
+from loom.smg import vllm_engine_pb2 as vllm_pb
 from loom.v1 import loom_pb2 as pb
 from tests.server.test_tenants import generate as generate_as
 from tests.server.test_tenants import stats
+from tests.server.vllm.test_vllm_servicer import vllm_generate
 from tests.support.greedy import reference_tokens
 from tests.support.grpc_client import (
     bearer,
@@ -111,3 +114,19 @@ async def test_grpc_a_tenant_sees_its_own_draft_figures_an_admin_everyones(
     assert list(of_a.accepted_per_pos) == []  # the positions: every tenant's, an admin's
     assert sum(of_all.accepted_per_pos) == of_all.num_accepted_tokens
     assert (of_b.num_drafts, of_b.num_draft_tokens, of_b.num_accepted_tokens) == (0, 0, 0)
+
+
+async def test_vllm_protocol_completes_with_its_draft_figures(tiny_chat: LoadedModel) -> None:
+    """vLLM's GenerateComplete counts a request's draft tokens and those accepted, as vLLM's
+    servicer does: what a gateway in front (SMG) reads of speculative decoding."""
+    request = vllm_pb.GenerateRequest(
+        request_id="r",
+        tokenized=vllm_pb.TokenizedInput(input_ids=REPEATING),
+        sampling_params=vllm_pb.SamplingParams(temperature=0, max_tokens=40, ignore_eos=True),
+    )
+    async with serving(tiny_chat, scheduler=NGRAM) as (_, port):
+        with trio.fail_after(60):
+            (answer,) = await in_asyncio(vllm_generate, port, request)
+    complete = answer.complete
+    assert complete.output_ids == reference_tokens(tiny_chat.model, REPEATING, 40)
+    assert 0 < complete.spec_accepted_tokens <= complete.spec_draft_tokens

@@ -92,6 +92,8 @@ class VllmFraming:
             prompt_tokens=usage.prompt_tokens,
             completion_tokens=len(output_ids),
             cached_tokens=usage.cached_tokens,
+            spec_draft_tokens=usage.draft_tokens,
+            spec_accepted_tokens=usage.accepted_draft_tokens,
             output_logprobs=wire.output_logprobs(outputs),
             input_logprobs=None if self.stream else wire.input_logprobs(outputs),
             index=index,
