@@ -93,6 +93,7 @@ class Request:
     # them, and the draft tokens it verified and accepted, all time.
     token_bytes: bytearray = attrs.field(init=False, factory=bytearray, repr=False)
     num_drafts: int = 0  # steps with drafts
+    draft_lag: int = 0  # the draft model's K/V lack its last token before the last (1) or not
     num_draft_tokens: int = 0
     num_accepted_tokens: int = 0
 

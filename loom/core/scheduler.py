@@ -127,10 +127,10 @@ class Scheduler:
             self.admit_waiting(chosen, budget)
         # Drafts last, from the budget and the free blocks left: no guess starves or preempts.
         budget = self.config.max_num_batched_tokens - sum(n for _, n in chosen)
-        drafts = self.spec.drafts(chosen, budget, self.block_manager)
+        drafts, slots = self.spec.drafts(chosen, budget, self.block_manager)
         kept = within_mask_budget(chosen, self.config.step_mask_budget, self.policy, drafts)
         for request in {r for r, _ in chosen} - {r for r, _ in kept}:  # they wait a step:
-            if drafts.pop(request.request_id, None):  # their drafts' blocks back at once
+            if drafts.pop(request.request_id, None) or slots.pop(request.request_id, None):
                 self.block_manager.trim(request.request_id, request.num_tokens)
         if not (chosen := kept):
             return None
@@ -142,14 +142,13 @@ class Scheduler:
             end = request.num_computed_tokens + num_new
             if end < request.num_prompt_tokens:
                 self.num_chunked_prefills += 1  # leaves part of its prompt for later
-            num_drafts = len(drafts.get(request.request_id, ()))
+            num_drafts = len(drafts.get(request.request_id, ())) + slots.get(request.request_id, 0)
             self.fair.served(request.tenant, num_new + num_drafts, end == request.num_tokens)
-        return SchedulerOutput(
-            sequences=tuple(
-                ScheduledSequence.of(r, n, self.block_manager.block_table(r.request_id), drafts)
-                for r, n in chosen
-            )
+        table = self.block_manager.block_table
+        scheduled = (
+            ScheduledSequence.of(r, n, table(r.request_id), drafts, slots) for r, n in chosen
         )
+        return SchedulerOutput(sequences=tuple(scheduled))
 
     def reserve(self, request: Request, num_new: int, chosen: list[tuple[Request, int]]) -> bool:
         """Blocks for `num_new` more tokens of a running request, preempting others (not those
@@ -171,7 +170,7 @@ class Scheduler:
         self.block_manager.free(request.request_id)
         self.running.remove(request)
         request.status = RequestStatus.PREEMPTED
-        request.num_computed_tokens = 0
+        request.num_computed_tokens = request.draft_lag = 0
         request.num_preemptions += 1
         self.num_preemptions += 1
         self.waiting.appendleft(request)
@@ -227,10 +226,12 @@ class Scheduler:
             request = self.requests.get(seq.request_id)
             if request is None:
                 continue  # finished while the step ran
-            tokens = emitted.get(seq.request_id, [])
-            num_accepted = self.spec.verified(request, seq.draft_token_ids, len(tokens))
-            rejected = len(seq.draft_token_ids) - num_accepted
-            request.num_computed_tokens += len(seq.token_ids) - rejected
+            tokens, drafts = emitted.get(seq.request_id, []), result.drafts.get(seq.request_id, ())
+            num_accepted = self.spec.verified(request, drafts, len(tokens))
+            request.num_computed_tokens += len(seq.token_ids) - len(seq.draft_token_ids)
+            request.num_computed_tokens += num_accepted
+            # The draft model never computed the last of its drafts: if kept, it lacks it.
+            request.draft_lag = int(seq.num_draft_slots > 0 and num_accepted == len(drafts))
             request.prompt_logprobs += result.prompt_logprobs.get(seq.request_id, ())
             if request.deadline is not None and now >= request.deadline:
                 tokens = []  # too late: dropped; `expired` finishes it as DEADLINE next

@@ -45,8 +45,14 @@ class SpeculativeConfig:
     speculative_method: str | None = setting(
         None,
         "speculative decoding: ngram (draft tokens looked up in the request's own prompt "
-        "and output); off when unset",
-        choices=("ngram",),
+        "and output), or draft (drafted by the model's own weights in "
+        "--speculative-quantization, e.g. q4 for the exact model); off when unset",
+        choices=("ngram", "draft"),
+    )
+    speculative_quantization: str = setting(
+        "q4",
+        "the draft method's: how the draft model (the model's own weights) computes",
+        choices=("none", "int8", "q4"),
     )
     num_speculative_tokens: int = setting(
         4,
@@ -60,6 +66,11 @@ class SpeculativeConfig:
     prompt_lookup_min: int = setting(
         2, "shortest n-gram the ngram method looks up", check=in_range(1, 16)
     )
+
+    @property
+    def draft_quantization(self) -> str | None:
+        """The draft model's method, with the draft method on."""
+        return self.speculative_quantization if self.speculative_method == "draft" else None
 
     def __attrs_post_init__(self) -> None:
         if self.prompt_lookup_min > self.prompt_lookup_max:
@@ -88,30 +99,36 @@ class Speculation:
 
     def drafts(
         self, chosen: list[tuple[Request, int]], budget: int, blocks: BlockManager
-    ) -> dict[str, tuple[int, ...]]:
-        """Draft tokens, by request, for the step's `chosen` requests that compute their one
-        last token, in order, from the token `budget` the chosen requests' tokens leave and
+    ) -> tuple[dict[str, tuple[int, ...]], dict[str, int]]:
+        """Draft tokens by request (n-gram), or the number of drafts the runner's draft model
+        is to propose by request (`draft`), for the step's `chosen` requests that compute their
+        one last token, in order, from the token `budget` the chosen requests' tokens leave and
         with blocks that are free (`allocate` never preempts): a guess never takes a token or
         a block a request needs. Each gets as many as max_tokens allows (a step emits one token
-        more than it accepts). A constrained request's drafts are checked against its grammar
-        with its masks (loom/model/grammar.py): those it refuses are never kept."""
-        if self.proposer is None:
-            return {}
+        more than it accepts). A constrained request's n-gram drafts are checked against its
+        grammar with its masks (loom/model/grammar.py): those it refuses are never kept; the
+        draft model drafts for none (its drafts come after the masks are begun)."""
         found: dict[str, tuple[int, ...]] = {}
-        for request, num_new in chosen:
+        slots: dict[str, int] = {}
+        method = self.config.speculative_method
+        for request, num_new in chosen if method is not None else ():
             if budget <= 0:
                 break
             if num_new != 1 or request.num_tokens - request.num_computed_tokens != 1:
                 continue  # a prompt chunk
-            if not request.sampling.speculative:
+            if not request.sampling.speculative or (method == "draft" and request.matcher):
                 continue
             room = request.max_tokens - len(request.output_token_ids) - 1
             k = min(self.config.num_speculative_tokens, budget, room)
-            drafts = self.proposer.propose(request, k)
-            if drafts and blocks.allocate(request.request_id, request.num_tokens + len(drafts)):
-                found[request.request_id] = drafts
-                budget -= len(drafts)
-        return found
+            drafts = self.proposer.propose(request, k) if self.proposer is not None else ()
+            num = len(drafts) if method == "ngram" else k
+            if num > 0 and blocks.allocate(request.request_id, request.num_tokens + num):
+                if drafts:
+                    found[request.request_id] = drafts
+                else:
+                    slots[request.request_id] = num
+                budget -= num
+        return found, slots
 
     def verified(self, request: Request, drafts: tuple[int, ...], num_emitted: int) -> int:
         """The drafts a step accepted (it emitted those and one token more), counted."""
@@ -136,7 +153,7 @@ class NgramProposer:
 
     @classmethod
     def of(cls, config: SpeculativeConfig) -> NgramProposer | None:
-        if config.speculative_method is None:
+        if config.speculative_method != "ngram":
             return None
         return cls(config.prompt_lookup_min, config.prompt_lookup_max)
 
@@ -217,4 +234,5 @@ def emitted(
         token_ids=tuple(kept),
         logprobs=tuple(kept_logprobs),
         prompt_logprobs=prompt_logprobs or {},
+        drafts={s.request_id: s.draft_token_ids for s in sequences if s.draft_token_ids},
     )

@@ -71,6 +71,10 @@ class ScheduledSequence:
     sampling: SamplingInput | None = None  # None: a prompt chunk with more to come samples nothing
     scoring: PromptScoring | None = None  # the prompt's logprobs asked for, and due here
     draft_token_ids: tuple[int, ...] = ()  # the tail of `token_ids` to verify (sampling rows)
+    # With a draft model (loom/model/drafter.py): the drafts it is to propose and append, and
+    # the tokens before `token_ids` it has not computed (the last step kept all its drafts).
+    num_draft_slots: int = 0
+    draft_prefix: tuple[int, ...] = ()
 
     @classmethod
     def of(
@@ -79,8 +83,10 @@ class ScheduledSequence:
         num_new: int,
         block_table: tuple[int, ...],
         drafts: Mapping[str, tuple[int, ...]],
+        slots: Mapping[str, int],
     ) -> ScheduledSequence:
-        """The request's next `num_new` tokens, and its drafts (by request id) if it has any."""
+        """The request's next `num_new` tokens, and its drafts (by request id), or the number a
+        draft model is to propose, if it has any."""
         start, end = request.num_computed_tokens, request.num_computed_tokens + num_new
         guess = drafts.get(request.request_id, ())
         return cls(
@@ -91,6 +97,8 @@ class ScheduledSequence:
             sampling=SamplingInput.of(request) if end == request.num_tokens else None,
             scoring=request.prompt_scoring(start, end),
             draft_token_ids=guess,
+            num_draft_slots=slots.get(request.request_id, 0),
+            draft_prefix=request.token_ids(start - request.draft_lag, start),
         )
 
 
@@ -108,6 +116,7 @@ class ModelRunnerOutput:
     token_ids: tuple[int, ...]
     logprobs: tuple[Logprobs | None, ...]
     prompt_logprobs: Mapping[str, tuple[Logprobs, ...]] = attrs.field(factory=dict)
+    drafts: Mapping[str, tuple[int, ...]] = attrs.field(factory=dict)  # each drafted row's
 
     def by_request(self) -> dict[str, list[tuple[int, Logprobs | None]]]:
         """Each request's emitted tokens, in order, with their logprobs."""

@@ -13,6 +13,7 @@ import logging
 from collections.abc import AsyncIterator, Callable
 from contextlib import aclosing, asynccontextmanager
 
+import attrs
 import trio
 
 from loom.core.config import CacheConfig
@@ -77,6 +78,8 @@ class Engine:
         reason = EngineState.STOPPED.value
         try:
             loaded = await trio.to_thread.run_sync(self.load)
+            draft = self.config.scheduler.speculative.draft_quantization
+            loaded = attrs.evolve(loaded, draft_quantization=draft)
             runner = await trio.to_thread.run_sync(self.make_runner, loaded, self.config.cache)
             self.core = core = EngineCore(self.config, loaded, runner, self.observer)
             self.metrics.opened(loaded.name, lambda: self.published_stats)  # read by scrapes

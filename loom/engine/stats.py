@@ -180,7 +180,7 @@ class SpecDecodeStats:
         cls, spec: Speculation, viewer: tuple[int, int, int] | None = None
     ) -> SpecDecodeStats | None:
         """Every tenant's, or a `viewer`'s own (drafts, draft tokens, accepted tokens)."""
-        if spec.proposer is None:
+        if spec.config.speculative_method is None:
             return None
         if viewer is not None:
             drafts, tokens, accepted = viewer

@@ -49,6 +49,7 @@ class LoadedModel:
     dtype: torch.dtype
     device: torch.device
     quantization: str = "none"  # how the runner computes the linear layers (linear.METHODS)
+    draft_quantization: str | None = None  # and a draft model of the same weights, if any
     tokenizer_folder: Path | None = None  # the files the tokenizer was read from, if local
 
     @property

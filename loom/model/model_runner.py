@@ -26,6 +26,7 @@ from loom.core.step import ModelRunnerOutput, ScheduledSequence, SchedulerOutput
 from loom.model.attention_metadata import AttentionMetadata, build_attention_metadata
 from loom.model.decoder import DecoderModel
 from loom.model.device import DTYPES, available_memory
+from loom.model.drafter import Drafter
 from loom.model.kv_cache import KVCache
 from loom.model.loader import LoadedModel
 from loom.model.sampler import Masks, Sampler, token_logprobs
@@ -47,11 +48,22 @@ class ModelRunner:
             kv_dtype=kv_dtype,
         )
         self.kv_cache_shape = self.model.kv_cache_shape(cache.block_size)
+        pools = 1 if loaded.draft_quantization is None else 2  # the draft model's: the same
         num_blocks = cache.num_blocks_for(
-            self.kv_cache_shape.bytes_per_block, partial(available_memory, self.device)
+            pools * self.kv_cache_shape.bytes_per_block, partial(available_memory, self.device)
         )
         self.kv_cache = KVCache.allocate(self.kv_cache_shape, num_blocks, self.device)
         self.sampler = Sampler(self.model.vocab_size, self.device)
+        self.drafter: Drafter | None = None
+        if loaded.draft_quantization is not None:  # the target's weights, as that method's
+            draft = DecoderModel(
+                loaded.model,
+                quantization=loaded.draft_quantization,
+                tokenizer=loaded.tokenizer,
+                kv_dtype=kv_dtype,
+            )
+            pool = KVCache.allocate(self.kv_cache_shape, num_blocks, self.device)
+            self.drafter = Drafter(draft, partial(self.forward, model=draft, kv_cache=pool))
 
     @property
     def num_blocks(self) -> int:
@@ -80,6 +92,8 @@ class ModelRunner:
         sequences = output.sequences
         if not sequences:
             raise ValueError("a step needs at least one scheduled sequence")
+        if self.drafter is not None:
+            sequences = tuple(self.drafter.draft(sequences))
         hidden = self.forward(sequences)
         ends = torch.tensor([len(seq.token_ids) for seq in sequences]).cumsum(0)
         scored = {
@@ -120,28 +134,38 @@ class ModelRunner:
         step; nothing sampled (scoring a text: perplexity, the quantised methods' checks)."""
         return self.model.compute_logits(self.forward([seq])).float()
 
-    def forward(self, sequences: Sequence[ScheduledSequence]) -> torch.Tensor:
+    def forward(
+        self,
+        sequences: Sequence[ScheduledSequence],
+        model: DecoderModel | None = None,
+        kv_cache: KVCache | None = None,
+    ) -> torch.Tensor:
+        """The model's (or the draft `model`'s, over its own pool) forward over the step."""
+        model, kv_cache = model or self.model, kv_cache or self.kv_cache
         for seq in sequences:
             check_scheduled(seq, self.block_size)
-        return self.model.forward(
+        return model.forward(
             torch.tensor([t for seq in sequences for t in seq.token_ids], device=self.device),
             positions(sequences).to(self.device),
-            self.attention_metadata(sequences),
-            self.kv_cache,
+            self.attention_metadata(sequences, model),
+            kv_cache,
         )
 
-    def attention_metadata(self, sequences: Sequence[ScheduledSequence]) -> AttentionMetadata:
+    def attention_metadata(
+        self, sequences: Sequence[ScheduledSequence], model: DecoderModel | None = None
+    ) -> AttentionMetadata:
         """The step's slot mapping, gather indices and masks, shared by every layer."""
+        model = model or self.model
         return build_attention_metadata(
             num_computed=[seq.num_computed_tokens for seq in sequences],
             query_lens=[len(seq.token_ids) for seq in sequences],
             block_tables=[seq.block_table for seq in sequences],
             block_size=self.block_size,
             device=self.device,
-            num_queries_per_kv=self.model.num_heads // self.model.num_kv_heads,
-            dtype=self.model.dtype,
-            decode_in_place=self.model.decode_in_place,
-            windows=self.model.family.window_sizes,
+            num_queries_per_kv=model.num_heads // model.num_kv_heads,
+            dtype=model.dtype,
+            decode_in_place=model.decode_in_place,
+            windows=model.family.window_sizes,
         )
 
 

@@ -135,6 +135,8 @@ class SimRunner(ModelRunner):
     """A `ModelRunner` whose step sleeps and returns the simulated model's tokens."""
 
     def __init__(self, loaded: LoadedModel, cache: CacheConfig) -> None:  # no super(): no model
+        if loaded.draft_quantization is not None:
+            raise ValueError("the simulated model has no draft: use --speculative-method ngram")
         self.sim: SimModel = loaded.model
         self.device, self.dtype = loaded.device, loaded.dtype
         self.block_size = cache.block_size

@@ -56,13 +56,18 @@ async def test_engine_greedy_with_ngram_drafts_matches_generate_under_preemption
 
 
 async def outputs_with_and_without_drafts(
-    loaded: LoadedModel, prompt: Any, sampling: SamplingParams, **config: Any
+    loaded: LoadedModel,
+    prompt: Any,
+    sampling: SamplingParams,
+    scheduler: SchedulerConfig | None = None,
+    **config: Any,
 ) -> tuple[list[RequestOutput], list[RequestOutput], SpecDecodeStats]:
-    """The request alone without drafts; then with drafts, beside a batch mate."""
+    """The request alone without drafts; then with drafts (n-gram, unless `scheduler` says
+    otherwise), beside a batch mate."""
     async with serving(loaded, **config) as engine:
         with trio.fail_after(60):
             plain = await collect(engine, prompt, sampling)
-    scheduler = SchedulerConfig(speculative=NGRAM)
+    scheduler = scheduler or SchedulerConfig(speculative=NGRAM)
     async with serving(loaded, scheduler=scheduler, **config) as engine:
         with trio.fail_after(60):
             async with trio.open_nursery() as nursery:
@@ -167,3 +172,40 @@ async def test_engine_constrained_output_with_drafts_is_the_output_without(
         accepted.append((stats.num_accepted_tokens, stats.num_draft_tokens))
     assert accepted[0][0] > 0  # the forced text: its drafts are what the grammar forces
     assert accepted[1][1] > accepted[1][0]  # the free one: some drafts refused
+
+
+def drafting(quantization: str, **scheduler: Any) -> SchedulerConfig:
+    spec = SpeculativeConfig(speculative_method="draft", speculative_quantization=quantization)
+    return SchedulerConfig(speculative=spec, **scheduler)
+
+
+@pytest.mark.parametrize("quantization", ["q4", "none"])
+async def test_engine_greedy_with_a_draft_model_matches_generate(quantization: str) -> None:
+    """The model's own weights draft for it: in q4 (lossy on random weights: some drafts
+    rejected), and exact (every draft accepted, its K/V kept in step with the target's)."""
+    engine = await run_against_reference(tiny_model("llama"), scheduler=drafting(quantization))
+    spec = spec_of(engine)
+    assert 0 < spec.num_accepted_tokens <= spec.num_draft_tokens
+    if quantization == "none":
+        assert spec.num_accepted_tokens == spec.num_draft_tokens
+
+
+async def test_engine_greedy_with_a_draft_model_matches_generate_under_preemption() -> None:
+    engine = await run_against_reference(
+        tiny_model("llama"),
+        cache=CacheConfig(block_size=4, num_blocks=24),
+        scheduler=drafting("none", max_num_batched_tokens=16, max_num_seqs=16),
+    )
+    stats = engine.stats()
+    assert stats.num_preemptions > 0
+    assert stats.num_chunked_prefills > 0
+    assert spec_of(engine).num_accepted_tokens == spec_of(engine).num_draft_tokens > 0
+
+
+async def test_engine_seeded_sampling_with_a_draft_model_gives_the_same_tokens() -> None:
+    sampling = SamplingParams(temperature=0.8, seed=5, max_tokens=40)
+    plain, drafted, spec = await outputs_with_and_without_drafts(
+        tiny_model("llama"), [5, 6, 7, 8], sampling, scheduler=drafting("q4")
+    )
+    assert tokens_of(drafted) == tokens_of(plain)
+    assert spec.num_accepted_tokens > 0

@@ -50,4 +50,5 @@ def speculated(output: SchedulerOutput, num_accepted: int, bonus: int = 7) -> Mo
         request_ids=tuple(request_ids),
         token_ids=tuple(token_ids),
         logprobs=(None,) * len(token_ids),
+        drafts={s.request_id: s.draft_token_ids for s in output.sequences if s.draft_token_ids},
     )
