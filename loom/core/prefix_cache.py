@@ -57,14 +57,18 @@ def cached_prefix(blocks: BlockManager, request: Request) -> list[int]:
     return blocks.cached_prefix(block_hashes(request, blocks.block_size, num_tokens))
 
 
-def cache_full_blocks(blocks: BlockManager, request: Request, num_computed_before: int) -> None:
-    """Offer the blocks that a step filled (its K/V written) to the prefix cache. Most decode
-    steps fill none: they return at once."""
+def cache_full_blocks(
+    blocks: BlockManager, request: Request, num_computed_before: int, num_done: int | None = None
+) -> None:
+    """Offer the blocks that a step filled (its K/V written: of its first `num_done` tokens,
+    all it computed by default) to the prefix cache. Most decode steps fill none: they return
+    at once."""
+    num_done = request.num_computed_tokens if num_done is None else num_done
     first = num_computed_before // blocks.block_size
-    end = request.num_computed_tokens // blocks.block_size
-    if not blocks.enable_caching or end == first:
+    end = num_done // blocks.block_size
+    if not blocks.enable_caching or end <= first:
         return
-    hashes = block_hashes(request, blocks.block_size, request.num_computed_tokens)
+    hashes = block_hashes(request, blocks.block_size, num_done)
     size = blocks.block_size
     for i in blocks.cache(request.request_id, first, hashes[first:end]):
         index = first + i

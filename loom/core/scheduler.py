@@ -227,19 +227,18 @@ class Scheduler:
             if request is None:
                 continue  # finished while the step ran
             tokens, drafts = emitted.get(seq.request_id, []), result.drafts.get(seq.request_id, ())
-            num_accepted = self.spec.verified(request, drafts, len(tokens))
+            num_accepted = self.spec.verified(request, seq, drafts, len(tokens))
             request.num_computed_tokens += len(seq.token_ids) - len(seq.draft_token_ids)
             request.num_computed_tokens += num_accepted
-            # The draft model never computed the last of its drafts: if kept, it lacks it.
-            request.draft_lag = int(seq.num_draft_slots > 0 and num_accepted == len(drafts))
             request.prompt_logprobs += result.prompt_logprobs.get(seq.request_id, ())
             if request.deadline is not None and now >= request.deadline:
                 tokens = []  # too late: dropped; `expired` finishes it as DEADLINE next
             delta, status = self.take(request, tokens, now, rate)
             # A token stop inside the accepted drafts leaves K/V computed past the output.
             request.num_computed_tokens = min(request.num_computed_tokens, request.num_tokens)
-            cache_full_blocks(self.block_manager, request, seq.num_computed_tokens)
-            self.block_manager.slide(request.request_id, request.num_computed_tokens)
+            done = request.num_computed_tokens - request.draft_lag  # the draft model's K/V too
+            cache_full_blocks(self.block_manager, request, seq.computed_from, done)
+            self.block_manager.slide(request.request_id, done)
             self.block_manager.trim(request.request_id, request.num_tokens)
             if delta is None:
                 continue

@@ -130,8 +130,14 @@ class Speculation:
                 budget -= num
         return found, slots
 
-    def verified(self, request: Request, drafts: tuple[int, ...], num_emitted: int) -> int:
-        """The drafts a step accepted (it emitted those and one token more), counted."""
+    def verified(
+        self, request: Request, seq: ScheduledSequence, drafts: tuple[int, ...], num_emitted: int
+    ) -> int:
+        """The drafts a step accepted (it emitted those and one token more), counted. The
+        draft model never computed the last of its drafts: if that is kept, it lacks its K/V
+        (`draft_lag`, computed first next step)."""
+        drafted = seq.num_draft_slots > 0 and len(drafts) > 0
+        request.draft_lag = int(drafted and len(drafts) == num_emitted - 1)
         if not drafts:
             return 0
         num_accepted = max(num_emitted - 1, 0)

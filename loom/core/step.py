@@ -76,6 +76,11 @@ class ScheduledSequence:
     num_draft_slots: int = 0
     draft_prefix: tuple[int, ...] = ()
 
+    @property
+    def computed_from(self) -> int:
+        """The first position either model computes in this step."""
+        return self.num_computed_tokens - len(self.draft_prefix)
+
     @classmethod
     def of(
         cls,

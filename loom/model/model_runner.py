@@ -13,6 +13,7 @@ BlockManager does), keeps no per-request cache, and keeps no per-request state b
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Sequence
 from functools import partial
 
@@ -27,10 +28,15 @@ from loom.model.attention_metadata import AttentionMetadata, build_attention_met
 from loom.model.decoder import DecoderModel
 from loom.model.device import DTYPES, available_memory
 from loom.model.drafter import Drafter
+from loom.model.family import UnsupportedModelError
 from loom.model.kv_cache import KVCache
+from loom.model.linear import check_method
 from loom.model.loader import LoadedModel
 from loom.model.sampler import Masks, Sampler, token_logprobs
 
+log = logging.getLogger(__name__)
+
+CHEAPER = ("none", "int8", "q4")  # the linear layers' methods, dearest first
 SCORE_ROWS = 256  # logits rows at a time when scoring a prompt: 256 x 49,152 floats is 50 MB
 
 
@@ -48,20 +54,15 @@ class ModelRunner:
             kv_dtype=kv_dtype,
         )
         self.kv_cache_shape = self.model.kv_cache_shape(cache.block_size)
-        pools = 1 if loaded.draft_quantization is None else 2  # the draft model's: the same
+        draft = draft_model(loaded, kv_dtype)  # built before the pools are sized
+        pools = 1 if draft is None else 2  # the draft model's pool: the target's shape
         num_blocks = cache.num_blocks_for(
             pools * self.kv_cache_shape.bytes_per_block, partial(available_memory, self.device)
         )
         self.kv_cache = KVCache.allocate(self.kv_cache_shape, num_blocks, self.device)
         self.sampler = Sampler(self.model.vocab_size, self.device)
         self.drafter: Drafter | None = None
-        if loaded.draft_quantization is not None:  # the target's weights, as that method's
-            draft = DecoderModel(
-                loaded.model,
-                quantization=loaded.draft_quantization,
-                tokenizer=loaded.tokenizer,
-                kv_dtype=kv_dtype,
-            )
+        if draft is not None:
             pool = KVCache.allocate(self.kv_cache_shape, num_blocks, self.device)
             self.drafter = Drafter(draft, partial(self.forward, model=draft, kv_cache=pool))
 
@@ -167,6 +168,29 @@ class ModelRunner:
             decode_in_place=model.decode_in_place,
             windows=model.family.window_sizes,
         )
+
+
+def draft_model(loaded: LoadedModel, kv_dtype: torch.dtype) -> DecoderModel | None:
+    """The target's weights as `draft_quantization` computes them, if set: refused at start
+    where that method cannot run (a GPU, a dtype not float32), and a warning where it costs
+    what the target does (no faster: nothing to gain)."""
+    method = loaded.draft_quantization
+    if method is None:
+        return None
+    try:
+        check_method(method, loaded.device, loaded.dtype)
+    except ValueError as exc:
+        raise UnsupportedModelError(f"--speculative-quantization: {exc}") from None
+    if CHEAPER.index(method) <= CHEAPER.index(loaded.quantization):
+        log.warning(
+            "the draft model computes as %s, the model as %s: its drafts cost what the "
+            "model's own tokens do (no faster)",
+            method,
+            loaded.quantization,
+        )
+    return DecoderModel(
+        loaded.model, quantization=method, tokenizer=loaded.tokenizer, kv_dtype=kv_dtype
+    )
 
 
 def positions(sequences: Sequence[ScheduledSequence]) -> torch.Tensor:

@@ -33,6 +33,7 @@ from loom.core.config import CacheConfig
 from loom.core.request_output import Logprobs, TokenLogprob
 from loom.core.speculative import emitted, sampling_rows
 from loom.core.step import ModelRunnerOutput, SamplingInput, ScheduledSequence, SchedulerOutput
+from loom.model.family import UnsupportedModelError
 from loom.model.kv_cache import KVCacheShape
 from loom.model.loader import (
     LoadedModel,
@@ -136,7 +137,9 @@ class SimRunner(ModelRunner):
 
     def __init__(self, loaded: LoadedModel, cache: CacheConfig) -> None:  # no super(): no model
         if loaded.draft_quantization is not None:
-            raise ValueError("the simulated model has no draft: use --speculative-method ngram")
+            raise UnsupportedModelError(
+                "the simulated model has no draft model: use --speculative-method ngram"
+            )
         self.sim: SimModel = loaded.model
         self.device, self.dtype = loaded.device, loaded.dtype
         self.block_size = cache.block_size

@@ -18,6 +18,7 @@ from loom.core.step import ModelRunnerOutput, SamplingInput, ScheduledSequence, 
 from loom.engine.config import EngineConfig
 from loom.engine.stats import ModelInfo
 from loom.model.device import DTYPES
+from loom.model.family import UnsupportedModelError
 from loom.model.loader import LoadedModel
 from loom.model.model_runner import ModelRunner
 from tests.conftest import tiny_model
@@ -261,3 +262,21 @@ def test_model_runner_kv_cache_dtype_names_are_the_dtype_names() -> None:
     model's, so that each resolves (and a new name in one place fails here)."""
     choices = attrs.fields(CacheConfig).kv_cache_dtype.metadata["choices"]
     assert set(choices) == {"auto", *DTYPES}
+
+
+def test_model_runner_refuses_a_draft_model_its_method_cannot_run_and_warns_of_a_dear_one(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """--speculative-method draft: q4 runs on the CPU in float32 alone (refused at start, not
+    at the first step); a draft computed as the model is (no cheaper) is built, with a warning;
+    the two pools share the memory one would have."""
+    bf16 = attrs.evolve(tiny_model("llama"), dtype=torch.bfloat16, draft_quantization="q4")
+    with pytest.raises(UnsupportedModelError, match=r"--speculative-quantization: .*float32"):
+        ModelRunner(bf16, CacheConfig(num_blocks=8))
+    exact = attrs.evolve(tiny_model("llama"), draft_quantization="none")
+    memory = CacheConfig(kv_cache_memory=1 << 20)
+    runner = ModelRunner(exact, memory)
+    assert "no faster" in caplog.text
+    assert runner.drafter is not None
+    alone = ModelRunner(tiny_model("llama"), memory)
+    assert runner.num_blocks == alone.num_blocks // 2
