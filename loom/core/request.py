@@ -93,6 +93,8 @@ class Request:
     # them, and the draft tokens it verified and accepted, all time.
     token_bytes: bytearray = attrs.field(init=False, factory=bytearray, repr=False)
     num_drafts: int = 0  # steps with drafts
+    draft_misses: int = 0  # drafted steps in a row that kept no draft
+    draft_pause: int = 0  # steps it drafts for none, after misses
     draft_lag: int = 0  # the draft model's K/V lack its last token before the last (1) or not
     num_draft_tokens: int = 0
     num_accepted_tokens: int = 0

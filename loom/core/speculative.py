@@ -12,7 +12,8 @@ samples it is rejection sampling (accept d with probability p(d); on a rejection
 sampled is distributed as p without d): greedy output is token-identical to decoding without
 drafts, sampled output keeps its distribution, and a seeded request its tokens. The K/V of
 rejected drafts are overwritten next step and their blocks past the tokens kept released at
-once (Scheduler.update).
+once (Scheduler.update). A request whose drafted steps keep none drafts less often: after 1, 2,
+3, 4 such steps in a row it waits 1, 3, 7, 15 steps (its drafts cost the whole batch's step).
 
 The n-gram proposer (prompt lookup: vLLM's `ngram`, llama.cpp's lookup decoding) finds the
 longest suffix of the request's tokens, n from `prompt_lookup_max` down to `prompt_lookup_min`,
@@ -35,6 +36,7 @@ from loom.core.setting import in_range, setting
 from loom.core.step import ModelRunnerOutput, SamplingInput, ScheduledSequence
 
 TOKEN_BYTES = array("i").itemsize  # 4
+MAX_BACKOFF = 4  # at most 2 ** 4 - 1 steps without drafts after drafted steps that kept none
 # A match at an offset that splits a token is skipped; a prompt built to make many of them
 # makes the search retry, this many times at most for each n.
 MAX_UNALIGNED = 8
@@ -118,6 +120,9 @@ class Speculation:
                 continue  # a prompt chunk
             if not request.sampling.speculative or (method == "draft" and request.matcher):
                 continue
+            if request.draft_pause > 0:  # its drafts missed lately: it waits
+                request.draft_pause -= 1
+                continue
             room = request.max_tokens - len(request.output_token_ids) - 1
             k = min(self.config.num_speculative_tokens, budget, room)
             drafts = self.proposer.propose(request, k) if self.proposer is not None else ()
@@ -141,6 +146,10 @@ class Speculation:
         if not drafts:
             return 0
         num_accepted = max(num_emitted - 1, 0)
+        # Back off from a request whose drafts miss: 1, 3, 7, then 15 steps without drafts
+        # after 1, 2, 3, 4 or more drafted steps in a row that kept none.
+        request.draft_misses = 0 if num_accepted else request.draft_misses + 1
+        request.draft_pause = (1 << min(request.draft_misses, MAX_BACKOFF)) - 1
         request.num_drafts += 1
         request.num_draft_tokens += len(drafts)
         request.num_accepted_tokens += num_accepted

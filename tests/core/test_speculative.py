@@ -221,3 +221,17 @@ def test_scheduler_takes_no_block_for_a_draft_that_a_request_needs() -> None:
     assert {s.request_id for s in output.sequences} == {"a", "b"}
     assert output.sequences[0].draft_token_ids == ()  # a's: no block left for them
     assert scheduler.num_preemptions == 0
+
+
+def test_scheduler_backs_off_from_a_request_whose_drafts_miss() -> None:
+    """A drafted step that keeps none: the next step drafts nothing, the one after drafts
+    again; two misses in a row: three steps without drafts; a kept draft ends the back-off."""
+    scheduler = make_scheduler()
+    first_step(scheduler, with_tokens([1, 2, 3, 1, 2]))
+    seen = []
+    for accept in (0, None, 0, None, None, None, 1, 0):
+        output = drafted(scheduler)
+        seen.append(len(output.sequences[0].draft_token_ids))
+        result = speculated(output, accept or 0, bonus=3)  # 3: the drafts go on matching
+        scheduler.update(output, result, now=0.0)
+    assert [n > 0 for n in seen] == [True, False, True, False, False, False, True, True]
