@@ -19,14 +19,14 @@ a first chunk of 3 tokens:
 Keys are read a whole block at a time (a block is `block_size` contiguous rows of the pool, so
 one large copy per block rather than one small copy per token). Sequences are attended in
 groups padded to a common query length `Q` and block count `B` (`L = B * block_size` keys): one
-group for single-token (decode) sequences, one for short runs of at most MAX_ROWS_IN_PLACE
-tokens (drafts to verify), one for the rest (prefill chunks), so that a long chunk does not pad
-every decode and every verification to its length. With the in-place kernel
-(loom/model/attention.py), a sequence of at most MAX_ROWS_IN_PLACE new tokens (one verifying
-draft tokens) is that many decode rows: row j a query at num_computed + j attending keys up to
-its own, so that a verifying step stays one decode group. Padding blocks are block 0, the null
-block; every key past a query's position is masked out. Query padding repeats the sequence's
-last token and is dropped.
+group for single-token (decode) sequences, one for sequences verifying draft tokens (at most
+MAX_ROWS_IN_PLACE), one for the rest (prefill chunks), so that a long chunk does not pad every
+decode and every verification to its length. With the in-place kernel
+(loom/model/attention.py), a sequence verifying draft tokens is that many decode rows: row j a
+query at num_computed + j attending keys up to its own, so that a verifying step stays one
+decode group, and each token is computed as a decode computes it. Padding blocks are block 0,
+the null block; every key past a query's position is masked out. Query padding repeats the
+sequence's last token and is dropped.
 """
 
 from __future__ import annotations
@@ -76,10 +76,12 @@ def build_attention_metadata(
     dtype: torch.dtype = torch.float32,
     decode_in_place: bool = False,
     windows: Sequence[int] = (),
+    verifying: Sequence[bool] = (),
 ) -> AttentionMetadata:
     """`num_queries_per_kv` (G): query heads per KV head, folded into the query axis. `dtype`: the
     queries' (the additive mask is built in it, once per step rather than by SDPA per layer).
-    `windows`: the layers' sliding windows, a mask each."""
+    `windows`: the layers' sliding windows, a mask each. `verifying`: which sequences verify
+    draft tokens (a decode token and its drafts: at most MAX_ROWS_IN_PLACE)."""
     starts = [0]
     for q_len in query_lens:
         starts.append(starts[-1] + q_len)
@@ -89,7 +91,10 @@ def build_attention_metadata(
             for s, q_len in enumerate(query_lens)
         ]
     )
-    members = group_members(num_computed, query_lens, block_tables, starts, decode_in_place)
+    verifying = verifying or [False] * len(query_lens)
+    members = group_members(
+        num_computed, query_lens, block_tables, starts, verifying, decode_in_place
+    )
     groups = tuple(
         build_group(
             group,
@@ -113,27 +118,28 @@ def group_members(
     query_lens: Sequence[int],
     block_tables: Sequence[Sequence[int]],
     starts: Sequence[int],
+    verifying: Sequence[bool],
     in_place: bool,
 ) -> tuple[list[Member], list[Member], list[Member]]:
-    """The members of the decode group, the short group and the long one. Decode: each
-    one-token sequence; `in_place`, also each token of a sequence of at most
-    MAX_ROWS_IN_PLACE, as a row attending its first num_computed + j + 1 keys (all written
-    before any is read). Short: without `in_place`, those sequences whole, so that drafts to
-    verify are not padded to a long prompt chunk. Long: the longer sequences."""
-    split = MAX_ROWS_IN_PLACE if in_place else 1
-    decode = [
-        (num_computed[s] + j, 1, block_tables[s], starts[s] + j)
-        for s, q_len in enumerate(query_lens)
-        if q_len <= split
-        for j in range(q_len)
-    ]
-    short: list[Member] = []
-    long: list[Member] = []
+    """The members of the decode group, the verifying group and the prefill group. Decode:
+    each one-token sequence; `in_place`, also each token of a sequence verifying drafts, as a
+    row attending its first num_computed + j + 1 keys (all written before any is read), so
+    that a token is computed alike whether it was drafted or decoded. Verifying: without
+    `in_place`, those sequences whole, not padded to a long prompt chunk. Prefill: the rest
+    (prompt chunks, whatever their length: a prompt is computed alike, whether a prefix of it
+    was cached or not)."""
+    decode: list[Member] = []
+    verify: list[Member] = []
+    prefill: list[Member] = []
     for s, q_len in enumerate(query_lens):
-        if q_len > split:
-            group = short if q_len <= MAX_ROWS_IN_PLACE else long
+        if q_len == 1 or (in_place and verifying[s]):
+            decode += [
+                (num_computed[s] + j, 1, block_tables[s], starts[s] + j) for j in range(q_len)
+            ]
+        else:
+            group = verify if verifying[s] else prefill
             group.append((num_computed[s], q_len, block_tables[s], starts[s]))
-    return decode, short, long
+    return decode, verify, prefill
 
 
 def slots_for(block_table: Sequence[int], positions: range, block_size: int) -> torch.Tensor:

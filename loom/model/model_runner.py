@@ -167,6 +167,7 @@ class ModelRunner:
             dtype=model.dtype,
             decode_in_place=model.decode_in_place,
             windows=model.family.window_sizes,
+            verifying=[bool(seq.draft_token_ids) for seq in sequences],
         )
 
 

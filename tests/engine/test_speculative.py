@@ -128,19 +128,22 @@ async def test_engine_logprobs_with_drafts_are_those_without() -> None:
 async def test_engine_stop_string_inside_accepted_drafts_ends_the_text_there(
     smollm2_tokenizer: Any,
 ) -> None:
+    """The answer repeats one token, drafted and accepted, then turns: the stop string is the
+    first new token's text, which a drafted step reaches."""
     loaded = tiny_model("llama", vocab_size=len(smollm2_tokenizer), tokenizer=smollm2_tokenizer)
-    sampling = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True)
-    prompt = "one two three four one two three four one two"
-    plain, drafted, spec = await outputs_with_and_without_drafts(loaded, prompt, sampling)
-    text = "".join(o.text for o in plain)
+    sampling = SamplingParams(temperature=0, max_tokens=60, ignore_eos=True)
+    plain, drafted, spec = await outputs_with_and_without_drafts(loaded, REPEATING, sampling)
     assert tokens_of(drafted) == tokens_of(plain)
     assert spec.num_accepted_tokens > 0
-    stop = text[len(text) // 2 : len(text) // 2 + 3]
+    tokens = tokens_of(plain)
+    turn = next(t for t in tokens if t != tokens[0])
+    stop = smollm2_tokenizer.decode([turn]).strip()
     with_stop = attrs.evolve(sampling, stop=(stop,))
-    plain, drafted, _ = await outputs_with_and_without_drafts(loaded, prompt, with_stop)
+    plain, drafted, spec = await outputs_with_and_without_drafts(loaded, REPEATING, with_stop)
     assert drafted[-1].finish_reason is FinishReason.STOP_SEQUENCE
     assert "".join(o.text for o in drafted) == "".join(o.text for o in plain)
     assert stop not in "".join(o.text for o in drafted)
+    assert spec.num_accepted_tokens > 0
 
 
 async def test_engine_abort_while_drafting_frees_every_block() -> None:
@@ -203,9 +206,9 @@ async def test_engine_greedy_with_a_draft_model_matches_generate_under_preemptio
 
 
 async def test_engine_seeded_sampling_with_a_draft_model_gives_the_same_tokens() -> None:
-    sampling = SamplingParams(temperature=0.8, seed=5, max_tokens=40)
+    sampling = SamplingParams(temperature=0.2, seed=5, max_tokens=40)
     plain, drafted, spec = await outputs_with_and_without_drafts(
-        tiny_model("llama"), [5, 6, 7, 8], sampling, scheduler=drafting("q4")
+        tiny_model("llama"), REPEATING, sampling, scheduler=drafting("q4")
     )
     assert tokens_of(drafted) == tokens_of(plain)
     assert spec.num_accepted_tokens > 0

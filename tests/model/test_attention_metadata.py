@@ -38,9 +38,24 @@ def test_attention_metadata_matches_the_worked_example() -> None:
     assert allowed(prefill)[0, 0].tolist() == [[T, F, F, F], [T, T, F, F], [T, T, T, F]]
 
 
-def test_attention_metadata_in_place_makes_a_short_run_of_tokens_decode_rows() -> None:
+def test_attention_metadata_in_place_makes_a_verifying_sequence_decode_rows() -> None:
     """A sequence verifying draft tokens (5 computed, 3 new) is three decode rows beside a
-    decode: one group, the one-call path's; a run past MAX_ROWS_IN_PLACE stays a prefill."""
+    decode: one group, the one-call path's; a prompt chunk as short stays a prefill (a prompt
+    is computed alike, whether a prefix of it was cached or not)."""
+    metadata = build_attention_metadata(
+        num_computed=[5, 2],
+        query_lens=[3, 1],
+        block_tables=[[7, 2], [4]],
+        block_size=4,
+        device=CPU,
+        decode_in_place=True,
+        verifying=[True, False],
+    )
+    (decode,) = metadata.groups
+    assert decode.mask.numel() == 0  # the kernel masks by length: none built
+    assert decode.query_index.tolist() == [[0], [1], [2], [3]]
+    assert decode.seq_lens.tolist() == [6, 7, 8, 3]  # each row's keys: up to its own
+    assert decode.block_index.tolist() == [7, 2, 7, 2, 7, 2, 4, 0]
     metadata = build_attention_metadata(
         num_computed=[5, 2],
         query_lens=[3, 1],
@@ -49,28 +64,16 @@ def test_attention_metadata_in_place_makes_a_short_run_of_tokens_decode_rows() -
         device=CPU,
         decode_in_place=True,
     )
-    (decode,) = metadata.groups
-    assert decode.mask.numel() == 0  # the kernel masks by length: none built
-    assert decode.query_index.tolist() == [[0], [1], [2], [3]]
-    assert decode.seq_lens.tolist() == [6, 7, 8, 3]  # each row's keys: up to its own
-    assert decode.block_index.tolist() == [7, 2, 7, 2, 7, 2, 4, 0]
+    assert [g.query_index.shape[1] for g in metadata.groups] == [1, 3]
+    # Gathering instead: a sequence verifying is a group of its own, not padded to a long chunk.
     long = MAX_ROWS_IN_PLACE + 1
-    metadata = build_attention_metadata(
-        num_computed=[0, 2],
-        query_lens=[long, 1],
-        block_tables=[list(range(1, long // 4 + 2)), [4]],
-        block_size=4,
-        device=CPU,
-        decode_in_place=True,
-    )
-    assert [g.query_index.shape[1] for g in metadata.groups] == [1, long]
-    # Gathering instead: a run to verify is a group of its own, not padded to the long chunk.
     metadata = build_attention_metadata(
         num_computed=[0, 2, 5],
         query_lens=[long, 1, 3],
         block_tables=[list(range(1, long // 4 + 2)), [4], [7, 2]],
         block_size=4,
         device=CPU,
+        verifying=[False, False, True],
     )
     assert [g.query_index.shape[1] for g in metadata.groups] == [1, 3, long]
 
