@@ -7,11 +7,12 @@ part, each part over all layers with the model's real weights: the linear layers
 attention (K/V write, gather, SDPA). What is left (norms, rotary, residual adds, sampling,
 Python, and the parts slowing each other down through the caches) is the difference. Where a
 step's layers go into the kernels in one call (q4), "per op" is the same step with them called
-one by one from Python, as the other methods are, the two timed in turn: the difference is the
-dispatch saved. With `--drafts K`, "verify" is the step of speculative decoding: each sequence
-computes its token and K draft tokens and samples at all K + 1 positions, timed in turn with
-the others. A prefill step of `--prefill` prompts of `--prompt-len` tokens is timed whole.
-Figures are medians of `--repeats`.
+one by one from Python, as the other methods are, and "regions" the one call with each kernel in
+a parallel region of its own rather than the layers in one, all timed in turn: the differences
+are the dispatch and the regions' starts saved. With `--drafts K`, "verify" is the step of
+speculative decoding: each sequence computes its token and K draft tokens and samples at all
+K + 1 positions, timed in turn with the others. A prefill step of `--prefill` prompts of
+`--prompt-len` tokens is timed whole. Figures are medians of `--repeats`.
 """
 
 from __future__ import annotations
@@ -106,7 +107,7 @@ def run(args: argparse.Namespace) -> None:
     )
     verify = f"verify {args.drafts}" if args.drafts else ""
     print(
-        f"{'sequences':>10} {'step':>8} {'per op':>8} {'linear':>8} {'LM head':>8} "
+        f"{'sequences':>10} {'step':>8} {'regions':>8} {'per op':>8} {'linear':>8} {'LM head':>8} "
         f"{'attention':>10} {'rest':>8} {verify:>9}"
     )
     for num_seqs in sizes:
@@ -114,8 +115,9 @@ def run(args: argparse.Namespace) -> None:
         rest = parts["step"] - parts["linear"] - parts["lm_head"] - parts["attention"]
         verified = f"{parts['verify']:>9.2f}" if args.drafts else ""
         print(
-            f"{num_seqs:>10} {parts['step']:>8.2f} {parts['per_op']:>8.2f} {parts['linear']:>8.2f} "
-            f"{parts['lm_head']:>8.2f} {parts['attention']:>10.2f} {rest:>8.2f} {verified}"
+            f"{num_seqs:>10} {parts['step']:>8.2f} {parts['regions']:>8.2f} "
+            f"{parts['per_op']:>8.2f} {parts['linear']:>8.2f} {parts['lm_head']:>8.2f} "
+            f"{parts['attention']:>10.2f} {rest:>8.2f} {verified}"
         )
     prompts = scheduled(runner, args.prefill, 0, args.prompt_len, prefill=True)
     prefill_ms = median_ms(lambda: runner.execute_model(prompts), max(2, args.repeats // 3))
@@ -172,16 +174,10 @@ def decode_parts(
             write_kv(k_cache, v_cache, kv, kv, metadata.slot_mapping)
             paged_attention(q, k_cache, v_cache, metadata, model.scale)
 
-    def per_op() -> None:  # the layers' kernels called one by one, from Python
-        decode_weights, model.decode_weights = model.decode_weights, None
-        try:
-            runner.execute_model(step)
-        finally:
-            model.decode_weights = decode_weights
-
     timed: dict[str, Callable[[], object]] = {
         "step": lambda: runner.execute_model(step),
-        "per_op": per_op,
+        "per_op": altered(runner, step, decode_weights=None),  # the kernels one by one
+        "regions": altered(runner, step, one_region=False),  # each in a region of its own
     }
     if drafts:
         verify = scheduled(runner, num_seqs, context, 1, drafts=drafts)
@@ -193,6 +189,22 @@ def decode_parts(
         "lm_head": median_ms(lambda: model.lm_head(x), repeats),
         "attention": median_ms(attention, repeats),
     }
+
+
+def altered(runner: ModelRunner, step: SchedulerOutput, **changes: object) -> Callable[[], None]:
+    """The step run with the model's attributes `changes` (and as they were again after)."""
+
+    def run_altered() -> None:
+        saved = {name: getattr(runner.model, name) for name in changes}
+        for name, value in changes.items():
+            setattr(runner.model, name, value)
+        try:
+            runner.execute_model(step)
+        finally:
+            for name, value in saved.items():
+                setattr(runner.model, name, value)
+
+    return run_altered
 
 
 def alternating_ms(fns: dict[str, Callable[[], object]], repeats: int) -> dict[str, float]:

@@ -89,6 +89,7 @@ class DecoderModel:
         self.layers = [load_layer(weights, i, family, linear) for i in range(family.num_layers)]
         one_call = self.fused and family.is_plain
         self.decode_weights = decode_weights(self.layers) if one_call else None  # q4: one call
+        self.one_region = True  # that call's layers in one parallel region (False: one a kernel)
 
     def smoothed(
         self, weights: dict[str, torch.Tensor], hf_model: Any, tokenizer: Any
@@ -153,7 +154,7 @@ class DecoderModel:
             out: torch.Tensor = torch.ops.loom.llama_layers(
                 hidden, cos, sin, metadata.slot_mapping, block_tables, decodes.seq_lens,
                 w.weights, w.sizes, w.biases, kv_cache.k, kv_cache.v, self.num_heads, self.eps,
-                self.scale,
+                self.scale, self.one_region,
             )  # fmt: skip
             return out
         delta: torch.Tensor | None = None  # what the last MLP adds to the residual stream

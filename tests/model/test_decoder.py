@@ -25,10 +25,10 @@ pytestmark = pytest.mark.skipif(
 )
 
 
-def decode_runner(kv_cache_dtype: str = "auto", **config: Any) -> ModelRunner:
+def decode_runner(kv_cache_dtype: str = "auto", num_blocks: int = 16, **config: Any) -> ModelRunner:
     """A tiny q4 model whose biases (qwen2's qkv; llama's with `attention_bias`) and norms are
     random, not transformers' zeros and ones, so that a bias or a norm taken from the wrong
-    place shows; its pool of 16 blocks filled with random values, as written pages."""
+    place shows; its pool of `num_blocks` blocks filled with random values, as written pages."""
     family = config.pop("family", "llama")
     loaded = tiny_model(family, **config)
     for name, p in loaded.model.named_parameters():
@@ -36,7 +36,9 @@ def decode_runner(kv_cache_dtype: str = "auto", **config: Any) -> ModelRunner:
             p.data.normal_()
         elif name.endswith("norm.weight"):
             p.data.uniform_(0.5, 1.5)
-    cache = CacheConfig(block_size=BLOCK_SIZE, num_blocks=17, kv_cache_dtype=kv_cache_dtype)
+    cache = CacheConfig(
+        block_size=BLOCK_SIZE, num_blocks=num_blocks + 1, kv_cache_dtype=kv_cache_dtype
+    )
     runner = ModelRunner(attrs.evolve(as_if_from_a_gguf(loaded), quantization="q4"), cache)
     for layer in runner.kv_cache.k + runner.kv_cache.v:
         layer.normal_()
@@ -91,6 +93,31 @@ def test_blocks_q4_decode_layers_in_one_call_are_the_per_op_path_bit_for_bit(
     assert torch.equal(fused, per_op)
     assert all(map(torch.equal, fused_pool, pool.k + pool.v))
     assert not torch.equal(fused_pool[0], before[0])  # the step's keys were written
+
+
+def test_blocks_q4_decode_layers_in_one_region_are_each_kernel_in_its_own_bit_for_bit() -> None:
+    """40 sequences (so that the norms, rotary and the products' rows are shared out among the
+    threads too): the layers in one parallel region give the very hidden states and pool of the
+    same call with each kernel in a region of its own, and of the per-op path."""
+    assert torch.get_num_threads() > 1  # else there is nothing to share out
+    runner = decode_runner(num_blocks=48)
+    model, pool = runner.model, runner.kv_cache
+    sequences = decode_step([(7 * i) % 15 for i in range(40)])
+    before = [layer.clone() for layer in pool.k + pool.v]
+    results = []
+    for one_region, decode_weights in [
+        (True, model.decode_weights),
+        (False, None),
+        (False, model.decode_weights),
+    ]:
+        for layer, saved in zip(pool.k + pool.v, before, strict=True):
+            layer.copy_(saved)
+        model.one_region, model.decode_weights = one_region, decode_weights
+        results.append((runner.forward(sequences), [layer.clone() for layer in pool.k + pool.v]))
+    for hidden, layers in results[1:]:
+        assert torch.equal(hidden, results[0][0])
+        assert all(map(torch.equal, layers, results[0][1]))
+    assert not torch.equal(results[0][1][0], before[0])
 
 
 def llama_layers_args(runner: ModelRunner) -> dict[str, Any]:

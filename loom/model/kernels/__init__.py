@@ -1,6 +1,6 @@
 """Loom's C++ kernels (blocks.cpp: the block products; step.cpp: decode attention and the fused
-operations; layers.cpp: a q4 decode step's layers in one call; ops.h, vec.h), built at first use
-on the machine that runs them.
+operations; layers.cpp: a q4 decode step's layers in one call, in one parallel region; ops.h,
+region.h, vec.h), built at first use on the machine that runs them.
 
 torch's extension builder compiles them with the C++ compiler (`$CXX`, else `c++`: g++, for
 `-fopenmp` to share torch's OpenMP runtime) and ninja into torch's extension cache
@@ -32,7 +32,9 @@ from typing import Any
 import torch
 
 SOURCES = [Path(__file__).with_name(name) for name in ("blocks.cpp", "step.cpp", "layers.cpp")]
-HEADERS = [Path(__file__).with_name(name) for name in ("activations.h", "ops.h", "vec.h")]
+HEADERS = [
+    Path(__file__).with_name(name) for name in ("activations.h", "ops.h", "region.h", "vec.h")
+]
 FLAGS = ["-O3", "-mavx2", "-mfma", "-mf16c", "-fopenmp", "-ffp-contract=off"]
 VNNI_FLAGS = ["-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512vnni", "-mprefer-vector-width=256"]
 

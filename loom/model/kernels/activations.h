@@ -9,6 +9,8 @@
 
 #include <cstdint>
 
+#include "region.h"
+
 namespace loom {
 
 constexpr int64_t kBlock = 32;
@@ -21,7 +23,7 @@ void quantize_rows(const float* x, int64_t rows, int64_t k, T* q, float* s, floa
   constexpr float kMax = sizeof(T) == 1 ? 127.0f : 32767.0f;
   const int64_t blocks = k / kBlock;
   const __m256 sign = _mm256_set1_ps(-0.0f);
-  at::parallel_for(0, rows * blocks, 64, [&](int64_t begin, int64_t end) {
+  share(0, rows * blocks, 64, [&](int64_t begin, int64_t end) {
     for (int64_t i = begin; i < end; ++i) {
       const float* xb = x + i * kBlock;
       __m256 v[4];
@@ -108,10 +110,16 @@ inline void check_weight(const at::Tensor& wq, at::ScalarType q_type, const at::
               "the bias does not match the outputs");
 }
 
-// out [M, n] plus the bias, in x_in's shape with n outputs.
-inline at::Tensor finished(at::Tensor out, const at::Tensor& x_in,
-                           const c10::optional<at::Tensor>& bias) {
-  if (bias.has_value()) out.add_(*bias);
+// out [M, n] += bias [n], each thread its share of the rows.
+inline void add_bias(float* out, int64_t rows, int64_t n, const float* bias) {
+  share(0, rows, 16, [&](int64_t begin, int64_t end) {
+    for (int64_t r = begin; r < end; ++r)
+      for (int64_t j = 0; j < n; ++j) out[r * n + j] += bias[j];
+  });
+}
+
+// out [M, n] in x_in's shape with n outputs.
+inline at::Tensor finished(at::Tensor out, const at::Tensor& x_in) {
   auto shape = x_in.sizes().vec();
   shape.back() = out.size(1);
   return out.view(shape);

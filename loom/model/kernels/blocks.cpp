@@ -266,32 +266,20 @@ inline void dot_rows(const Activations<typename F::Act>& a, int64_t r, int64_t r
   }
 }
 
-// x [..., K] float32 times a weight [n, K] in the r8 layout of format F: wq [ceil(n / 8),
-// K / 32, F::kBytes], wdm [ceil(n / 8), K / 32, F::kScales] float16. n is the weight's own: the
-// layout fixes only its group count, and the rows padded beyond n are never written. Rows are
-// taken in chunks whose activations stay in L1, groups in blocks whose weights stay in L2, so
-// that a large batch reads each from the nearest cache.
+// a's rows times a weight [n, K] in the r8 layout of format F (wq [ceil(n / 8), K / 32,
+// F::kBytes], wdm [ceil(n / 8), K / 32, F::kScales] float16) into out [rows, n], each thread its
+// share of the groups. n is the weight's own: the layout fixes only its group count, and the
+// rows padded beyond n are never written. Rows are taken in chunks whose activations stay in L1,
+// groups in blocks whose weights stay in L2, so that a large batch reads each from the nearest
+// cache.
 template <typename F>
-at::Tensor r8_linear(const at::Tensor& x_in, const at::Tensor& wq, const at::Tensor& wdm,
-                     int64_t n, const c10::optional<at::Tensor>& bias) {
-  const Quantised<typename F::Act> x = quantise<typename F::Act>(x_in);
-  const Activations<typename F::Act>& a = x.a;
-  const int64_t rows = x.q.size(0), k = a.k, blocks = k / kBlock;
-  const int64_t groups = (n + kGroup - 1) / kGroup;
-  check_weight(wq, F::kType, wdm, at::kHalf, bias, n);
-  TORCH_CHECK(wq.dim() == 3 && wq.size(0) == groups && wq.size(2) == F::kBytes &&
-                  wdm.dim() == 3 && wdm.size(0) == groups && wdm.size(2) == F::kScales,
-              "the weight's blocks do not have the r8 layout for ", n, " outputs");
-  TORCH_CHECK(wq.size(1) == blocks && wdm.size(1) == blocks, "input size ", k,
-              " does not match the weight");
-  at::Tensor out = at::empty({rows, n}, x_in.options());
-  const uint8_t* wq_ptr = reinterpret_cast<const uint8_t*>(wq.data_ptr());
-  const uint16_t* wdm_ptr = reinterpret_cast<const uint16_t*>(wdm.data_ptr());
-  float* out_ptr = out.data_ptr<float>();
+void r8_product(const Activations<typename F::Act>& a, int64_t rows, const uint8_t* wq_ptr,
+                const uint16_t* wdm_ptr, int64_t n, float* out_ptr) {
+  const int64_t k = a.k, blocks = k / kBlock, groups = (n + kGroup - 1) / kGroup;
   const int64_t act_bytes = k * static_cast<int64_t>(sizeof(typename F::Act));
   const int64_t chunk = std::max<int64_t>(kRowTile, (16384 / act_bytes) / kRowTile * kRowTile);
   const int64_t group_block = std::max<int64_t>(1, 131072 / (blocks * F::kBytes));
-  at::parallel_for(0, groups, 4, [&](int64_t begin, int64_t end) {
+  share(0, groups, 4, [&](int64_t begin, int64_t end) {
     for (int64_t g0 = begin; g0 < end; g0 += group_block) {
       for (int64_t r0 = 0; r0 < rows; r0 += chunk) {
         const int64_t r_end = std::min(rows, r0 + chunk);
@@ -316,7 +304,27 @@ at::Tensor r8_linear(const at::Tensor& x_in, const at::Tensor& wq, const at::Ten
       }
     }
   });
-  return finished(out, x_in, bias);
+}
+
+// x [..., K] float32 times a weight [n, K] in the r8 layout of format F (r8_product), plus the
+// bias.
+template <typename F>
+at::Tensor r8_linear(const at::Tensor& x_in, const at::Tensor& wq, const at::Tensor& wdm,
+                     int64_t n, const c10::optional<at::Tensor>& bias) {
+  const Quantised<typename F::Act> x = quantise<typename F::Act>(x_in);
+  const int64_t rows = x.q.size(0), blocks = x.a.k / kBlock;
+  const int64_t groups = (n + kGroup - 1) / kGroup;
+  check_weight(wq, F::kType, wdm, at::kHalf, bias, n);
+  TORCH_CHECK(wq.dim() == 3 && wq.size(0) == groups && wq.size(2) == F::kBytes &&
+                  wdm.dim() == 3 && wdm.size(0) == groups && wdm.size(2) == F::kScales,
+              "the weight's blocks do not have the r8 layout for ", n, " outputs");
+  TORCH_CHECK(wq.size(1) == blocks && wdm.size(1) == blocks, "input size ", x.a.k,
+              " does not match the weight");
+  at::Tensor out = at::empty({rows, n}, x_in.options());
+  r8_product<F>(x.a, rows, reinterpret_cast<const uint8_t*>(wq.data_ptr()),
+                reinterpret_cast<const uint16_t*>(wdm.data_ptr()), n, out.data_ptr<float>());
+  if (bias.has_value()) add_bias(out.data_ptr<float>(), rows, n, bias->contiguous().data_ptr<float>());
+  return finished(out, x_in);
 }
 
 }  // namespace
@@ -324,6 +332,14 @@ at::Tensor r8_linear(const at::Tensor& x_in, const at::Tensor& wq, const at::Ten
 at::Tensor loom::q4r8_linear(const at::Tensor& x, const at::Tensor& wq, const at::Tensor& wdm,
                              int64_t n, const c10::optional<at::Tensor>& bias) {
   return r8_linear<Q4>(x, wq, wdm, n, bias);
+}
+
+void loom::q4r8_into(const float* x, int64_t rows, int64_t k, int8_t* q, float* s, float* sx,
+                     const uint8_t* wq, const uint16_t* wdm, int64_t n, const float* bias,
+                     float* out) {
+  quantize_rows<int8_t>(x, rows, k, q, s, sx);
+  r8_product<Q4>({q, s, sx, k}, rows, wq, wdm, n, out);
+  if (bias != nullptr) add_bias(out, rows, n, bias);
 }
 
 TORCH_LIBRARY_FRAGMENT(loom, m) {

@@ -14,6 +14,7 @@
 #include <vector>
 
 #include "ops.h"
+#include "region.h"
 #include "vec.h"
 
 namespace loom {
@@ -131,31 +132,24 @@ inline void check_pool(const at::Tensor& k_cache, const at::Tensor& v_cache) {
               "the pool's K and V must match, contiguous, on the CPU");
 }
 
-// Every sequence's attention over a pool of T (float or at::Half), out [S, H_q, D].
+// Every sequence's attention over a pool of T (float or at::Half), out [S, H_q, D]: the pool
+// [blocks, block_size, H_kv, D], the lengths checked (check_lengths).
 template <typename T>
-void attend_all(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
-                const at::Tensor& tables, const at::Tensor& lens, double scale, int64_t window,
-                double softcap, at::Tensor& out) {
-  const int64_t seqs = q.size(0), heads = q.size(1), dim = q.size(2);
-  const int64_t block_size = k_cache.size(1), kv_heads = k_cache.size(2);
-  const int64_t group = heads / kv_heads, max_blocks = tables.size(1);
+void attend_all(const float* qp, int64_t seqs, int64_t heads, int64_t dim, const T* kp,
+                const T* vp, int64_t block_size, int64_t kv_heads, const int64_t* tp,
+                int64_t max_blocks, const int64_t* lp, double scale, int64_t window,
+                double softcap, float* op) {
+  const int64_t group = heads / kv_heads;
   auto* kernel = dim == 16 ? &attend<T, 2> : dim == 32 ? &attend<T, 4> : dim == 64 ? &attend<T, 8>
                                                                        : &attend<T, 16>;
-  const float* qp = q.data_ptr<float>();
-  const T* kp = k_cache.data_ptr<T>();
-  const T* vp = v_cache.data_ptr<T>();
-  const int64_t* tp = tables.data_ptr<int64_t>();
-  const int64_t* lp = lens.data_ptr<int64_t>();
-  float* op = out.data_ptr<float>();
   const int64_t row = kv_heads * dim;
   // Few sequences: a task per query head, so that both cores have work at one sequence; many:
   // a task per KV head, its query heads sharing each key and value as it is read.
-  const int64_t per_task = seqs * kv_heads < 2 * at::get_num_threads() ? 1 : group;
-  at::parallel_for(0, seqs * heads / per_task, 1, [&](int64_t begin, int64_t end) {
+  const int64_t per_task = seqs * kv_heads < 2 * threads() ? 1 : group;
+  share(0, seqs * heads / per_task, 1, [&](int64_t begin, int64_t end) {
     std::vector<float> scores;
     for (int64_t task = begin; task < end; ++task) {
       const int64_t s = task * per_task / heads, head = task * per_task % heads, len = lp[s];
-      TORCH_CHECK(len >= 1 && len <= max_blocks * block_size, "sequence length out of range");
       const int64_t at = (s * heads + head) * dim, h = head / group;
       const int64_t first = window > 0 ? std::max<int64_t>(0, len - window) : 0;
       kernel(qp + at, kp + h * dim, vp + h * dim, tp + s * max_blocks, first, len, block_size, row,
@@ -165,6 +159,28 @@ void attend_all(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor
 }
 
 }  // namespace
+
+void check_lengths(const at::Tensor& lens, int64_t seqs, int64_t most) {
+  TORCH_CHECK(lens.scalar_type() == at::kLong && lens.is_contiguous() && lens.numel() == seqs,
+              "a length per sequence");
+  for (int64_t s = 0; s < seqs; ++s)
+    TORCH_CHECK(lens.data_ptr<int64_t>()[s] >= 1 && lens.data_ptr<int64_t>()[s] <= most,
+                "sequence length out of range");
+}
+
+void attend_into(const float* q, int64_t seqs, int64_t heads, int64_t dim,
+                 const at::Tensor& k_cache, const at::Tensor& v_cache, const int64_t* tables,
+                 int64_t max_blocks, const int64_t* lens, double scale, int64_t window,
+                 double softcap, float* out) {
+  const int64_t block_size = k_cache.size(1), kv_heads = k_cache.size(2);
+  if (k_cache.scalar_type() == at::kHalf)
+    attend_all<at::Half>(q, seqs, heads, dim, k_cache.data_ptr<at::Half>(),
+                         v_cache.data_ptr<at::Half>(), block_size, kv_heads, tables, max_blocks,
+                         lens, scale, window, softcap, out);
+  else
+    attend_all<float>(q, seqs, heads, dim, k_cache.data_ptr<float>(), v_cache.data_ptr<float>(),
+                      block_size, kv_heads, tables, max_blocks, lens, scale, window, softcap, out);
+}
 
 // Decode attention read in place from the paged pool: query [S, H_q, D] (one token per
 // sequence), k/v cache [blocks, block_size, H_kv, D], block_tables [S, B] (int64), seq_lens [S]:
@@ -192,11 +208,11 @@ at::Tensor paged_decode_attention(const at::Tensor& query, const at::Tensor& k_c
                 "block table entry out of range");
   TORCH_CHECK(dim == 16 || dim == 32 || dim == 64 || dim == 128,
               "head_dim must be 16, 32, 64 or 128, not ", dim);
+  check_lengths(lens, seqs, tables.size(1) * k_cache.size(1));
   at::Tensor out = at::empty_like(q);
-  if (k_cache.scalar_type() == at::kHalf)
-    attend_all<at::Half>(q, k_cache, v_cache, tables, lens, scale, window, softcap, out);
-  else
-    attend_all<float>(q, k_cache, v_cache, tables, lens, scale, window, softcap, out);
+  attend_into(q.data_ptr<float>(), seqs, heads, dim, k_cache, v_cache, tables.data_ptr<int64_t>(),
+              tables.size(1), lens.data_ptr<int64_t>(), scale, window, softcap,
+              out.data_ptr<float>());
   return out;
 }
 
@@ -219,9 +235,13 @@ at::Tensor add_rms_norm(at::Tensor x, const c10::optional<at::Tensor>& delta,
   const at::Tensor w = weight.contiguous();
   const float* wp = w.data_ptr<float>();
   at::Tensor out = at::empty_like(x);
-  float* xp = x.data_ptr<float>();
-  float* op = out.data_ptr<float>();
-  at::parallel_for(0, rows, 16, [&](int64_t begin, int64_t end) {
+  rms_norm_into(x.data_ptr<float>(), dp, wp, rows, h, eps, out.data_ptr<float>());
+  return out;
+}
+
+void rms_norm_into(float* xp, const float* dp, const float* wp, int64_t rows, int64_t h,
+                   double eps, float* op) {
+  share(0, rows, 16, [&](int64_t begin, int64_t end) {
     for (int64_t r = begin; r < end; ++r) {
       float* xr = xp + r * h;
       __m256 squares = _mm256_setzero_ps();
@@ -240,26 +260,17 @@ at::Tensor add_rms_norm(at::Tensor x, const c10::optional<at::Tensor>& delta,
                                                        _mm256_mul_ps(_mm256_loadu_ps(xr + i), vinv)));
     }
   });
-  return out;
 }
 
 namespace {
 
-// rotary_write_kv's rows, into a pool of T (float or at::Half).
+// rotary_write_kv's rows, into a pool of T (float or at::Half) of kv_heads heads of dim.
 template <typename T>
-void rotary_rows(const at::Tensor& qkv, const at::Tensor& cos, const at::Tensor& sin,
-                 const at::Tensor& slots, at::Tensor& k_cache, at::Tensor& v_cache,
-                 int64_t num_heads, at::Tensor& q) {
-  const int64_t tokens = qkv.size(0), kv_heads = k_cache.size(2), dim = k_cache.size(3);
+void rotary_rows(const float* in, int64_t tokens, const float* cp, const float* sp,
+                 const int64_t* slot, T* kp, T* vp, int64_t kv_heads, int64_t dim,
+                 int64_t num_heads, float* qp) {
   const int64_t half = dim / 2, width = (num_heads + 2 * kv_heads) * dim;
-  const float* in = qkv.data_ptr<float>();
-  const float* cp = cos.data_ptr<float>();
-  const float* sp = sin.data_ptr<float>();
-  const int64_t* slot = slots.data_ptr<int64_t>();
-  float* qp = q.data_ptr<float>();
-  T* kp = k_cache.data_ptr<T>();
-  T* vp = v_cache.data_ptr<T>();
-  at::parallel_for(0, tokens, 16, [&](int64_t begin, int64_t end) {
+  share(0, tokens, 16, [&](int64_t begin, int64_t end) {
     for (int64_t t = begin; t < end; ++t) {
       const float* row = in + t * width;
       const float* c = cp + t * dim;
@@ -285,6 +296,18 @@ void rotary_rows(const at::Tensor& qkv, const at::Tensor& cos, const at::Tensor&
 
 }  // namespace
 
+void rotary_into(const float* qkv, int64_t tokens, const float* cos, const float* sin,
+                 const int64_t* slots, const at::Tensor& k_cache, const at::Tensor& v_cache,
+                 int64_t num_heads, float* q) {
+  const int64_t kv_heads = k_cache.size(2), dim = k_cache.size(3);
+  if (k_cache.scalar_type() == at::kHalf)
+    rotary_rows<at::Half>(qkv, tokens, cos, sin, slots, k_cache.data_ptr<at::Half>(),
+                          v_cache.data_ptr<at::Half>(), kv_heads, dim, num_heads, q);
+  else
+    rotary_rows<float>(qkv, tokens, cos, sin, slots, k_cache.data_ptr<float>(),
+                       v_cache.data_ptr<float>(), kv_heads, dim, num_heads, q);
+}
+
 // The attention block's elementwise work between the qkv product and attention, in one pass:
 // rotary embedding of q and k (x * cos + roll(x, D / 2) * sin, where sin's first half is
 // negated: transformers' rotate_half), then k and v written to the pool at their slots.
@@ -309,10 +332,8 @@ at::Tensor rotary_write_kv(const at::Tensor& qkv_in, const at::Tensor& cos_in,
     TORCH_CHECK(slots.data_ptr<int64_t>()[t] >= 0 && slots.data_ptr<int64_t>()[t] < num_slots,
                 "slot out of range");
   at::Tensor q = at::empty({tokens, num_heads, dim}, qkv.options());
-  if (k_cache.scalar_type() == at::kHalf)
-    rotary_rows<at::Half>(qkv, cos, sin, slots, k_cache, v_cache, num_heads, q);
-  else
-    rotary_rows<float>(qkv, cos, sin, slots, k_cache, v_cache, num_heads, q);
+  rotary_into(qkv.data_ptr<float>(), tokens, cos.data_ptr<float>(), sin.data_ptr<float>(),
+              slots.data_ptr<int64_t>(), k_cache, v_cache, num_heads, q.data_ptr<float>());
   return q;
 }
 
@@ -325,10 +346,13 @@ at::Tensor silu_mul(const at::Tensor& gate_up_in) {
   const int64_t rows = gate_up.size(0), width = gate_up.size(1) / 2;
   TORCH_CHECK(width % 8 == 0 && gate_up.size(1) == 2 * width, "intermediate size must be a multiple of 8");
   at::Tensor out = at::empty({rows, width}, gate_up.options());
-  const float* in = gate_up.data_ptr<float>();
-  float* op = out.data_ptr<float>();
+  silu_mul_into(gate_up.data_ptr<float>(), rows, width, out.data_ptr<float>());
+  return out;
+}
+
+void silu_mul_into(const float* in, int64_t rows, int64_t width, float* op) {
   const __m256 one = _mm256_set1_ps(1.0f), sign = _mm256_set1_ps(-0.0f);
-  at::parallel_for(0, rows * (width / 8), 256, [&](int64_t begin, int64_t end) {
+  share(0, rows * (width / 8), 256, [&](int64_t begin, int64_t end) {
     for (int64_t i = begin; i < end; ++i) {
       const int64_t r = i / (width / 8), c = i % (width / 8) * 8;
       const __m256 g = _mm256_loadu_ps(in + r * 2 * width + c);
@@ -337,7 +361,6 @@ at::Tensor silu_mul(const at::Tensor& gate_up_in) {
       _mm256_storeu_ps(op + r * width + c, _mm256_mul_ps(silu, u));
     }
   });
-  return out;
 }
 
 }  // namespace loom
