@@ -93,12 +93,16 @@ class PromptChecker:
             return self.check_made(self.encode_chat(messages))
         if not all(isinstance(t, int) for t in items):
             raise InvalidRequestError("prompt must be text, chat messages or token ids")
-        for t in items:
-            if not (0 <= t < self.vocab_size):  # type: ignore[operator]
-                raise InvalidRequestError(
-                    f"token_ids must be in [0, {self.vocab_size}) (the vocabulary size), got {t}"
-                )
+        self.check_token_ids("token_ids", items)  # type: ignore[arg-type]
         return tuple(items)  # type: ignore[arg-type]
+
+    def check_token_ids(self, field: str, token_ids: Sequence[int]) -> None:
+        """Refuse a token id of the request's `field` outside the vocabulary."""
+        for t in token_ids:
+            if not (0 <= t < self.vocab_size):
+                raise InvalidRequestError(
+                    f"{field} must be in [0, {self.vocab_size}) (the vocabulary size), got {t}"
+                )
 
     def encode_chat(self, messages: list[ChatMessage]) -> tuple[int, ...]:
         tokenizer = self.need_tokenizer()

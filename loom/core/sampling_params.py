@@ -6,6 +6,8 @@ which rejects NaN, never `x < lo or x > hi`, which lets NaN through.
 
 from __future__ import annotations
 
+from collections.abc import Mapping
+
 import attrs
 
 from loom.core.constraint import Constraint
@@ -15,8 +17,38 @@ MAX_LOGPROBS = 20
 MAX_STOP_STRINGS = 16
 MAX_STOP_STRING_CHARS = 256
 MAX_STOP_TOKEN_IDS = 64
+MAX_LOGIT_BIAS = 300  # token ids a logit_bias may name
+LOGIT_BIAS_RANGE = 100.0  # OpenAI's: each bias in [-100, 100]
 # Below this a temperature is greedy (as in vLLM): dividing logits by 1e-40 overflows to inf.
 GREEDY_BELOW = 1e-5
+
+
+def logit_bias_pairs(bias: Mapping[int, float]) -> tuple[tuple[int, float], ...]:
+    """A wire's logit_bias map as SamplingParams takes it, its size refused before it is read."""
+    check_logit_bias_size(len(bias))
+    return tuple(sorted(bias.items()))
+
+
+def check_logit_bias_size(size: int) -> None:
+    if size > MAX_LOGIT_BIAS:
+        raise InvalidRequestError(
+            f"logit_bias holds at most {MAX_LOGIT_BIAS} token ids, got {size}"
+        )
+
+
+def check_logit_bias(pairs: tuple[tuple[int, float], ...]) -> None:
+    """Each id a token id, each bias in range, no id twice (the vocabulary is admission's)."""
+    check_logit_bias_size(len(pairs))
+    for token_id, bias in pairs:
+        if not (0 <= token_id < 1 << 31):
+            raise InvalidRequestError(f"logit_bias token ids must be in [0, 2^31), got {token_id}")
+        if not (-LOGIT_BIAS_RANGE <= bias <= LOGIT_BIAS_RANGE):
+            raise InvalidRequestError(
+                f"logit_bias values must be in [-{LOGIT_BIAS_RANGE:g}, {LOGIT_BIAS_RANGE:g}], "
+                f"got {bias} for token id {token_id}"
+            )
+    if len({token_id for token_id, _ in pairs}) < len(pairs):
+        raise InvalidRequestError("logit_bias names a token id twice")
 
 
 def check_range(field: str, value: float, lo: float, hi: float) -> None:
@@ -45,6 +77,10 @@ class SamplingParams:
     prompt_logprobs: int | None = None
     # What the output must match (structured outputs); its grammar decides where it ends.
     constraint: Constraint | None = None
+    # Added to the logits of these token ids (sorted (id, bias) pairs) before sampling, after
+    # the penalties: -100 bans a token in effect, +100 all but forces it. Ids are checked
+    # against the vocabulary where the model is known (admission).
+    logit_bias: tuple[tuple[int, float], ...] = ()
     # Loom's: False keeps this request's steps free of draft tokens when speculative decoding
     # is on (its output is the same either way; only its speed and its steps' cost differ).
     speculative: bool = True
@@ -77,6 +113,7 @@ class SamplingParams:
             raise InvalidRequestError(f"stop_token_ids holds at most {MAX_STOP_TOKEN_IDS} ids")
         for token_id in self.stop_token_ids:
             check_range("stop_token_ids", token_id, 0, 1 << 31)
+        check_logit_bias(self.logit_bias)
         if self.logprobs is not None:
             check_range("logprobs", self.logprobs, 0, MAX_LOGPROBS)
         if self.prompt_logprobs is not None:

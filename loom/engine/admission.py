@@ -133,6 +133,7 @@ class Admission:
         stream's consumer reaches the engine's `abort` and `resume` for this id alone."""
         self.prompts.check_size(prompt)
         self.prompts.check_cache_salt(cache_salt)
+        self.prompts.check_token_ids("logit_bias token ids", [t for t, _ in sampling.logit_bias])
         if sampling.constraint is not None:
             self.grammars.check(sampling.constraint)
         self.make_place(tenancy)

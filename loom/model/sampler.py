@@ -1,8 +1,8 @@
 """Batched sampling on tensors: one row per request, no Python loop over the vocabulary.
 
-Order, as in vLLM: penalties and min_tokens on the raw logits, then a constrained row's mask
-(structured outputs: the tokens its grammar allows; a row that allows few is sampled among
-those alone, loom/model/masks.py); greedy rows take the argmax; the others are divided by
+Order, as in vLLM: penalties, logit_bias and min_tokens on the raw logits, then a constrained
+row's mask (structured outputs: the tokens its grammar allows; a row that allows few is sampled
+among those alone, loom/model/masks.py); greedy rows take the argmax; the others are divided by
 their temperature, cut by top_k, top_p and min_p, and sampled by the exponential race
 (`argmax(p / q)`, `q ~ Exp(1)`), which equals sampling from `p` and lets each seeded request
 draw its `q` from a generator of its own (one for each token it samples among), seeded by its
@@ -53,6 +53,8 @@ class Sampler:
         )
         if any(r.params.has_penalties for r in rows):
             logits = self.apply_penalties(logits, rows)
+        if any(r.params.logit_bias for r in rows):
+            logits = self.apply_logit_bias(logits, rows)
         logits = self.apply_min_tokens(logits, rows)
         narrow: dict[int, torch.Tensor] = {}  # by row: the few tokens its grammar allows
         constrained = [i for i, r in enumerate(rows) if r.constrained]
@@ -91,6 +93,18 @@ class Sampler:
         # softmax is NaN: cap the logits, high enough that the capped one still wins and low
         # enough that a division by the smallest sampling temperature stays finite.
         return logits.clamp(max=LOGIT_CAP)
+
+    def apply_logit_bias(self, logits: torch.Tensor, rows: Sequence[SamplingInput]) -> torch.Tensor:
+        """Each row's logit_bias added to its logits (ids past the vocabulary were refused at
+        admission; those past the logits' width, its padding, are left out)."""
+        biased = [(i, t, b) for i, r in enumerate(rows) for t, b in r.params.logit_bias]
+        kept = [(i, t, b) for i, t, b in biased if t < self.vocab_size]
+        if not kept:
+            return logits
+        index_rows, columns, values = zip(*kept, strict=True)
+        logits = logits.clone()
+        logits[list(index_rows), list(columns)] += self.column(list(values))[:, 0]
+        return logits
 
     def apply_min_tokens(self, logits: torch.Tensor, rows: Sequence[SamplingInput]) -> torch.Tensor:
         """Forbid EOS and the stop token ids until a request has its min_tokens."""

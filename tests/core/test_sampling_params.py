@@ -38,6 +38,11 @@ NAN, INF = math.nan, math.inf
         ("stop", ("x",) * 17, "stop holds at most 16 strings"),
         ("stop_token_ids", (-3,), r"stop_token_ids must be in \[0, "),
         ("stop_token_ids", tuple(range(65)), "stop_token_ids holds at most 64 ids"),
+        ("logit_bias", ((5, NAN),), r"logit_bias values must be in \[-100, 100\], got nan"),
+        ("logit_bias", ((5, -INF),), r"logit_bias values must be in \[-100, 100\], got -inf"),
+        ("logit_bias", ((-1, 1.0),), r"logit_bias token ids must be in \[0, 2\^31\), got -1"),
+        ("logit_bias", ((5, 1.0), (5, 2.0)), "logit_bias names a token id twice"),
+        ("logit_bias", tuple((i, 1.0) for i in range(301)), "logit_bias holds at most 300"),
     ],
 )
 def test_sampling_params_rejects_bad_values_naming_field_and_limit(

@@ -137,6 +137,28 @@ def test_sampler_min_tokens_forbids_eos_and_stop_ids_until_reached() -> None:
     assert sampler.sample(logits_rows(BASE), [reached]).token_ids == [1]
 
 
+def test_sampler_logit_bias_moves_its_row_alone_and_not_its_logprobs() -> None:
+    """A bias is added to its own row's logits, after the penalties (a repetition penalty of 2
+    halves BASE's 3.0 and 2.5 to 1.5 and 1.25, +1 and +1.5: token 2 wins; biased first, the two
+    would tie and token 1 win), and the logprobs stay the raw model's; a constrained row's
+    narrow gather takes the biased logits too."""
+    sampler = Sampler(VOCAB, CPU)
+    biased = SamplingParams(temperature=0, logit_bias=((1, 1.0), (2, 1.5)), repetition_penalty=2.0)
+    banned = SamplingParams(temperature=0, logit_bias=((1, -100.0),), logprobs=1)
+    forced = SamplingParams(temperature=1.0, logit_bias=((4, 100.0),))
+    plain = SamplingParams(temperature=0, logprobs=1)
+    out = sampler.sample(logits_rows(*[BASE] * 4), requests_with(biased, banned, forced, plain))
+    assert out.token_ids == [2, 2, 4, 1]
+    assert out.logprobs[1] is not None
+    assert out.logprobs[3] is not None
+    raw = torch.log_softmax(logits_rows(BASE), dim=-1)[0]
+    assert out.logprobs[1].chosen.logprob == raw[2].item()
+    assert out.logprobs[1].top[0].logprob == out.logprobs[3].top[0].logprob == raw[1].item()
+    narrow = constrained(SamplingParams(temperature=0, logit_bias=((1, -100.0),)))
+    masks = masks_of(bitmask([{1, 3}], VOCAB), VOCAB, NARROW)
+    assert sampler.sample(logits_rows(BASE), [narrow], lambda: masks).token_ids == [3]
+
+
 def test_sampler_tiny_temperature_and_penalty_stay_finite() -> None:
     """temperature=1e-40 and repetition_penalty=1e-40 are valid floats on the wire; dividing
     logits by them overflows to inf, and a NaN distribution always picked token 0."""

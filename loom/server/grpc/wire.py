@@ -15,7 +15,7 @@ from loom.core.constraint import Constraint, ConstraintKind
 from loom.core.errors import InvalidRequestError
 from loom.core.prompt import ChatMessage, Prompt
 from loom.core.request_output import FinishReason, Logprobs, RequestOutput
-from loom.core.sampling_params import SamplingParams
+from loom.core.sampling_params import SamplingParams, logit_bias_pairs
 from loom.core.tenancy import MAX_PRIORITY, Tenancy
 from loom.engine.stats import EngineStats, ModelInfo, TenantStats
 from loom.server.boundary import MAX_CHAT_MESSAGES, MAX_REQUEST_ID_CHARS
@@ -76,6 +76,7 @@ def sampling_from(message: pb.SamplingParams) -> SamplingParams:
         stop=tuple(message.stop),
         stop_token_ids=tuple(message.stop_token_ids),
         ignore_eos=message.ignore_eos,
+        logit_bias=logit_bias_pairs(message.logit_bias),
         constraint=constraint_from(message),
         speculative=message.speculative if message.HasField("speculative") else True,
     )

@@ -28,9 +28,10 @@ from loom.server.bridge import TrioBridge
 from loom.server.openai.config import HttpConfig
 from loom.server.openai.errors import HttpError, StreamEndedError, http_errors, invalid
 from loom.server.openai.exchange import Exchange, reply_error
+from loom.server.openai.fields import int_list
 from loom.server.openai.loads import PROMETHEUS_TEXT, LoadReports
 from loom.server.openai.message import HttpRequest
-from loom.server.openai.requests import chat_ask, chat_message, completion_ask, int_list
+from loom.server.openai.requests import chat_ask, chat_message, completion_ask
 from loom.server.openai.responses import OpenAIFraming
 from loom.server.openai.tokens import TokenTexts
 from loom.server.openai.tool_framing import ToolFraming

@@ -2,17 +2,13 @@
 checked here, each error naming the field; the values' ranges are the engine's own checks
 (SamplingParams, the prompt checks), the same as for a gRPC request.
 
-Taken (chat and completions): model, max_tokens (and chat's max_completion_tokens), temperature,
-top_p, n, stop, seed, presence_penalty, frequency_penalty, logprobs (chat: top_logprobs too),
-stream, stream_options.include_usage, user; vLLM's extensions top_k, min_p, repetition_penalty,
-min_tokens, ignore_eos, stop_token_ids, cache_salt, return_tokens_as_token_ids and
-return_token_ids; Loom's `speculative` (false: no draft tokens for this request); structured
-outputs, OpenAI's response_format and vLLM's structured_outputs
-(loom/server/openai/structured.py). Chat: messages (system, developer, user, assistant;
-content a string or a list of text parts). Completions: prompt (a string, strings, token ids,
-lists of token ids), echo (with logprobs, the prompt's own log-probabilities too). Refused by
-name: suffix, best_of, logit_bias, functions and function_call (tools replace them),
-non-text parts. Chat's tools and tool_choice: loom/server/openai/tools.py.
+Taken (chat and completions): model, max_tokens (and chat's max_completion_tokens), n, stream,
+stream_options.include_usage, user, and the sampling fields (loom/server/openai/sampling.py);
+vLLM's extensions cache_salt, return_tokens_as_token_ids and return_token_ids. Chat: messages
+(system, developer, user, assistant; content a string or a list of text parts). Completions:
+prompt (a string, strings, token ids, lists of token ids), echo (with logprobs, the prompt's own
+log-probabilities too). Refused by name: suffix, best_of, functions and function_call (tools
+replace them), non-text parts. Chat's tools and tool_choice: loom/server/openai/tools.py.
 Unknown fields are ignored, as OpenAI's and vLLM's servers do.
 """
 
@@ -23,11 +19,12 @@ from typing import Any
 import attrs
 
 from loom.core.prompt import ChatMessage, Prompt
-from loom.core.sampling_params import MAX_STOP_TOKEN_IDS, SamplingParams
+from loom.core.sampling_params import SamplingParams
 from loom.core.tenancy import Tenancy
 from loom.server.boundary import MAX_CHAT_MESSAGES
 from loom.server.openai.errors import invalid
-from loom.server.openai.structured import constraint_of
+from loom.server.openai.fields import int_list, json_object, optional
+from loom.server.openai.sampling import sampling_of
 from loom.server.openai.tools import ToolUse, system_message, tool_turn, tool_use_of
 from loom.server.relay import EngineRequest
 
@@ -44,7 +41,6 @@ MAX_USER_CHARS = 256
 ROLES = {"system": "system", "developer": "system", "user": "user", "assistant": "assistant"}
 REFUSED = {
     "suffix": "suffix (insertion) is not supported",
-    "logit_bias": "logit_bias is not supported",
     "functions": "functions is replaced by tools",
     "function_call": "function_call is replaced by tool_choice",
 }
@@ -159,90 +155,6 @@ def ask(
         token_ids=optional(body, "return_token_ids", bool) or False,
         tools=tools,
     )
-
-
-SAMPLING_FLOATS = (
-    "temperature",
-    "top_p",
-    "min_p",
-    "repetition_penalty",
-    "presence_penalty",
-    "frequency_penalty",
-)
-
-
-def sampling_of(
-    body: dict[str, Any], max_tokens: int | None, logprobs: int | None, echo: bool
-) -> SamplingParams:
-    """The sampling fields: their types here, their ranges SamplingParams's own checks. With
-    `echo`, `logprobs` covers the prompt too (what lm-eval scores a continuation by)."""
-    top_k = optional(body, "top_k", int)
-    prompt_logprobs = logprobs if echo else None
-    return SamplingParams(
-        **present(body, *SAMPLING_FLOATS, kind=float),
-        **present(body, "seed", "min_tokens", kind=int),
-        top_k=0 if top_k is None or top_k == -1 else top_k,  # vLLM's -1: off
-        max_tokens=max_tokens,
-        stop=stop_strings(body.get("stop")),
-        stop_token_ids=tuple(
-            int_list(body.get("stop_token_ids") or [], "stop_token_ids", MAX_STOP_TOKEN_IDS)
-        ),
-        ignore_eos=optional(body, "ignore_eos", bool) or False,
-        logprobs=logprobs,
-        prompt_logprobs=prompt_logprobs,
-        constraint=constraint_of(body),
-        speculative=optional(body, "speculative", bool) is not False,
-    )
-
-
-def json_object(body: Any) -> dict[str, Any]:
-    if not isinstance(body, dict):
-        raise invalid("the request body must be a JSON object", None)
-    return body
-
-
-def optional(body: dict[str, Any], field: str, kind: type) -> Any:
-    """`body[field]` if given (null counts as not given), checked to be of `kind`."""
-    value = body.get(field)
-    if value is None:
-        return None
-    if kind is float and isinstance(value, int) and not isinstance(value, bool):
-        try:
-            return float(value)
-        except OverflowError:
-            raise invalid(f"{field} is beyond any float's range", field) from None
-    if not isinstance(value, kind) or (kind is not bool and isinstance(value, bool)):
-        raise invalid(f"{field} must be {KINDS[kind]}, got {type(value).__name__}", field)
-    return value
-
-
-KINDS = {int: "an integer", float: "a number", bool: "true or false", str: "a string"}
-
-
-def present(body: dict[str, Any], *fields: str, kind: type) -> dict[str, Any]:
-    return {f: v for f in fields if (v := optional(body, f, kind)) is not None}
-
-
-def stop_strings(stop: Any) -> tuple[str, ...]:
-    if stop is None:
-        return ()
-    if isinstance(stop, str):
-        return (stop,)
-    if isinstance(stop, list) and all(isinstance(s, str) for s in stop):
-        return tuple(stop)
-    raise invalid("stop must be a string or a list of strings", "stop")
-
-
-def int_list(value: Any, field: str, limit: int) -> list[int]:
-    """A list of at most `limit` integers (counted before each is looked at: a 4 MiB body
-    holds two million)."""
-    if isinstance(value, list) and len(value) > limit:
-        raise invalid(f"{field} has {len(value)} items; the limit is {limit}", field)
-    if not isinstance(value, list) or not all(
-        isinstance(t, int) and not isinstance(t, bool) for t in value
-    ):
-        raise invalid(f"{field} must be a list of integers", field)
-    return value
 
 
 def chat_message(message: Any, index: int) -> ChatMessage:

@@ -2,7 +2,7 @@
 and the engine's types, with vLLM's meanings for the fields a proto3 message cannot leave
 unset: `top_p` 0, `top_k` 0 and `repetition_penalty` 0 mean "off", `n` 0 means 1, `temperature`,
 `max_tokens`, `seed` and `logprobs` are taken only when set. What Loom cannot do is refused with
-INVALID_ARGUMENT naming the field: images, a prefill/decode handoff, logit bias, prompt
+INVALID_ARGUMENT naming the field: images, a prefill/decode handoff, prompt
 truncation, structural tags, all logprobs (-1). What shapes text alone is not read, as Loom
 sends token ids (the gateway decodes them): `skip_special_tokens` (Loom's stop strings are
 matched on text without special tokens), `spaces_between_special_tokens`,
@@ -18,7 +18,7 @@ import attrs
 from loom.core.errors import InvalidRequestError
 from loom.core.prompt import Prompt
 from loom.core.request_output import FinishReason, Logprobs, RequestOutput
-from loom.core.sampling_params import SamplingParams
+from loom.core.sampling_params import SamplingParams, logit_bias_pairs
 from loom.engine.stats import EngineStats, ModelInfo
 from loom.server.grpc.wire import constraint_from
 from loom.server.load import Load
@@ -55,9 +55,8 @@ def prompt_from(request: pb.GenerateRequest) -> Prompt:
 
 def sampling_from(message: pb.SamplingParams) -> SamplingParams:
     """vLLM's meanings (the module's docstring); validation names the field."""
-    for field in ("logit_bias", "truncate_prompt_tokens", "structural_tag"):
-        given = getattr(message, field) if field == "logit_bias" else message.HasField(field)
-        if given:
+    for field in ("truncate_prompt_tokens", "structural_tag"):
+        if message.HasField(field):
             raise InvalidRequestError(f"{field} is not supported")
     if message.HasField("logprobs") and message.logprobs < 0:
         raise InvalidRequestError("logprobs: -1 (every token's) is not supported; ask 0..20")
@@ -79,6 +78,7 @@ def sampling_from(message: pb.SamplingParams) -> SamplingParams:
         stop=tuple(message.stop),
         stop_token_ids=tuple(message.stop_token_ids),
         ignore_eos=message.ignore_eos,
+        logit_bias=logit_bias_pairs(message.logit_bias),
         constraint=constraint_from(message),
     )
 

@@ -113,7 +113,7 @@ async def test_vllm_complete_names_the_stop_token_or_string_that_ended_it(
 @pytest.mark.parametrize(
     ("change", "field"),
     [
-        (lambda r: r.sampling_params.logit_bias.__setitem__(5, 1.0), "logit_bias"),
+        (lambda r: r.sampling_params.logit_bias.__setitem__(5, 101.0), "logit_bias"),
         (lambda r: setattr(r.sampling_params, "structural_tag", "{}"), "structural_tag"),
         (
             lambda r: setattr(r.sampling_params, "truncate_prompt_tokens", 4),
