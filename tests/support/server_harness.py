@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import json
 import math
+import socket
 import threading
 import time
 from collections.abc import AsyncIterator, Callable
@@ -102,3 +104,17 @@ def idle(engine: Engine) -> bool:
         stats.num_running + stats.num_waiting + stats.num_paused == 0
         and stats.num_free_blocks == stats.num_total_blocks
     )
+
+
+async def closed_mid_answer(server: Supervisor, path: str, body: dict[str, Any]) -> float:
+    """POST `body` to the HTTP port on a raw socket, close it once the request runs: the
+    seconds until the engine is idle again (every block free)."""
+    data = json.dumps(body).encode()
+    sock = socket.create_connection(("127.0.0.1", server.http_port or 0))
+    sock.sendall(
+        b"POST %s HTTP/1.1\r\nHost: localhost\r\nContent-Type: application/json\r\n"
+        b"Content-Length: %d\r\n\r\n%s" % (path.encode(), len(data), data)
+    )
+    await waited(server.engine, lambda: server.engine.stats().num_running == 1)
+    sock.close()
+    return await waited(server.engine, lambda: idle(server.engine))

@@ -2,6 +2,7 @@
 gRPC front serves, through the same relay, tenants and limits.
 
     POST /v1/chat/completions  POST /v1/completions   (streamed as SSE with "stream": true)
+    POST /v1/responses         (stateless: loom/server/openai/responses_input.py)
     GET  /v1/models            GET  /v1/models/{id}
     POST /tokenize             POST /detokenize
     GET  /health               GET  /version
@@ -31,8 +32,10 @@ from loom.server.openai.exchange import Exchange, reply_error
 from loom.server.openai.fields import int_list
 from loom.server.openai.loads import PROMETHEUS_TEXT, LoadReports
 from loom.server.openai.message import HttpRequest
-from loom.server.openai.requests import chat_ask, chat_message, completion_ask
+from loom.server.openai.requests import Ask, chat_ask, chat_message, completion_ask
 from loom.server.openai.responses import OpenAIFraming
+from loom.server.openai.responses_events import ResponsesFraming
+from loom.server.openai.responses_input import ResponsesAsk, renamed, responses_ask
 from loom.server.openai.tokens import TokenTexts
 from loom.server.openai.tool_framing import ToolFraming
 from loom.server.relay import Live, Relay
@@ -58,8 +61,9 @@ class OpenAIApi:
         self.config = config
         self.boundary = boundary
         self.routes: dict[tuple[str, str], Route] = {
-            ("POST", "/v1/chat/completions"): lambda r, e: self.generate(r, e, chat=True),
-            ("POST", "/v1/completions"): lambda r, e: self.generate(r, e, chat=False),
+            ("POST", "/v1/chat/completions"): lambda r, e: self.generate(r, e, "chat"),
+            ("POST", "/v1/completions"): lambda r, e: self.generate(r, e, "completions"),
+            ("POST", "/v1/responses"): lambda r, e: self.generate(r, e, "responses"),
             ("GET", "/v1/models"): self.models,
             ("POST", "/tokenize"): self.tokenize,
             ("POST", "/detokenize"): self.detokenize,
@@ -88,32 +92,34 @@ class OpenAIApi:
 
     # Generation
 
-    async def generate(self, request: HttpRequest, exchange: Exchange, *, chat: bool) -> None:
+    async def generate(self, request: HttpRequest, exchange: Exchange, kind: str) -> None:
+        """Chat completions, completions or a response (`kind`), streamed or whole."""
         done = exchange.counted()
         try:
             with http_errors():
                 request_id = exchange.request_id()
                 exchange.headers["X-Request-Id"] = request_id
                 tenant = self.identify(request)
-                max_choices = self.config.max_choices
-                if chat:
-                    reading = partial(chat_ask, max_choices=max_choices)
-                else:
-                    max_ids = self.engine.loaded_core().admission.prompts.max_model_len
-                    reading = partial(completion_ask, max_choices=max_choices, max_ids=max_ids)
-                ask = await exchange.read_json(self.boundary, reading)
+                ask = await exchange.read_json(self.boundary, self.reading(kind))
                 exchange.stream = ask.stream
                 model = self.check_model(ask.model)
                 time_left = exchange.time_left()
                 tokenizer = self.tokenizer()
-                framing = (ToolFraming if ask.tools else OpenAIFraming)(
-                    ask,
-                    chat=chat,
-                    request_id=request_id,
-                    model=model,
-                    tokens=TokenTexts(tokenizer, as_ids=ask.tokens_as_ids),
-                    echoes=echoes(tokenizer, ask.prompts) if ask.echo else (),
-                )
+                tokens = TokenTexts(tokenizer, as_ids=ask.tokens_as_ids)
+                framing: OpenAIFraming
+                if isinstance(ask, ResponsesAsk):
+                    framing = ResponsesFraming(
+                        ask, request_id=request_id, model=model, tokens=tokens
+                    )
+                else:
+                    framing = (ToolFraming if ask.tools else OpenAIFraming)(
+                        ask,
+                        chat=kind == "chat",
+                        request_id=request_id,
+                        model=model,
+                        tokens=tokens,
+                        echoes=echoes(tokenizer, ask.prompts) if ask.echo else (),
+                    )
                 tenancy = Tenancy(
                     tenant=tenant.name, weight=tenant.weight, connection=f"http {request.peer}"
                 )
@@ -122,6 +128,8 @@ class OpenAIApi:
         except StreamEndedError:
             pass  # its error event has been sent
         except HttpError as exc:
+            if kind == "responses":
+                exc = renamed(exc)
             if not exchange.started:
                 await reply_error(exchange.response, exc, exchange.headers)
                 return
@@ -129,6 +137,16 @@ class OpenAIApi:
         finally:
             done()
         await exchange.finish()
+
+    def reading(self, kind: str) -> Callable[[Any], Ask]:
+        """What reads a `kind` request's body into what it asks of the engine."""
+        max_choices = self.config.max_choices
+        if kind == "chat":
+            return partial(chat_ask, max_choices=max_choices)
+        if kind == "responses":
+            return partial(responses_ask, max_choices=max_choices)
+        max_ids = self.engine.loaded_core().admission.prompts.max_model_len
+        return partial(completion_ask, max_choices=max_choices, max_ids=max_ids)
 
     def identify(self, request: HttpRequest) -> Tenant:
         path = HEALTH_PREFIX if request.path == "/health" else request.path

@@ -67,7 +67,10 @@ def logit_bias_of(given: Any) -> tuple[tuple[int, float], ...]:
             raise invalid(f"logit_bias keys must be token ids, got {key[:32]!r}", "logit_bias")
         if isinstance(value, bool) or not isinstance(value, int | float):
             raise invalid("logit_bias values must be numbers", "logit_bias")
-        pairs.append((int(key), float(value)))
+        try:
+            pairs.append((int(key), float(value)))
+        except OverflowError:
+            raise invalid("logit_bias values must be in [-100, 100]", "logit_bias") from None
     return tuple(sorted(pairs))
 
 

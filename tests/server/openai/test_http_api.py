@@ -36,7 +36,7 @@ from tests.server.test_tenants import abort
 from tests.support.greedy import reference_tokens
 from tests.support.grpc_client import in_asyncio
 from tests.support.http_client import HOST, openai_client, post
-from tests.support.server_harness import idle, serving, until, waited
+from tests.support.server_harness import closed_mid_answer, idle, serving, until, waited
 
 HTTP = HttpConfig(http_port=0)
 CHAT = [{"role": "user", "content": "Name three colours."}]
@@ -314,23 +314,16 @@ async def test_http_a_full_queue_is_429_with_retry_after_and_a_deadline_408() ->
 
 async def test_http_a_closed_connection_aborts_its_request_at_once() -> None:
     sim = load_sim("sim:step_ms=10,seq_ms=0,token_ms=0")
-    body = json.dumps(
-        {"prompt": [3, 4, 5], "max_tokens": 5000, "ignore_eos": True, "stream": True}
-    ).encode()
     async with serving(sim, make_runner=SimRunner, http=HTTP) as (server, _):
-        port = server.http_port or 0
         with trio.fail_after(60):
             for stream in (True, False):
-                data = body if stream else body.replace(b'"stream": true', b'"stream": false')
-                sock = socket.create_connection((HOST, port))
-                sock.sendall(
-                    b"POST /v1/completions HTTP/1.1\r\nHost: localhost\r\n"
-                    b"Content-Type: application/json\r\nContent-Length: %d"
-                    b"\r\n\r\n%s" % (len(data), data)
-                )
-                await waited(server.engine, lambda: server.engine.stats().num_running == 1)
-                sock.close()
-                seconds = await waited(server.engine, lambda: idle(server.engine))
+                body = {
+                    "prompt": [3, 4, 5],
+                    "max_tokens": 5000,
+                    "ignore_eos": True,
+                    "stream": stream,
+                }
+                seconds = await closed_mid_answer(server, "/v1/completions", body)
                 assert seconds < 0.5, (stream, seconds)
             assert "length" not in server.engine.stats().finished
 
