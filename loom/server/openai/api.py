@@ -119,6 +119,7 @@ class OpenAIApi:
                         model=model,
                         tokens=tokens,
                         echoes=echoes(tokenizer, ask.prompts) if ask.echo else (),
+                        reasoning=self.config.reasoning_parser,
                     )
                 tenancy = Tenancy(
                     tenant=tenant.name, weight=tenant.weight, connection=f"http {request.peer}"

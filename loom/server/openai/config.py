@@ -7,6 +7,7 @@ from __future__ import annotations
 import attrs
 
 from loom.core.setting import at_least, in_range, setting
+from loom.server.openai.reasoning import PARSERS
 
 
 def names(text: str) -> tuple[str, ...]:
@@ -45,4 +46,11 @@ class HttpConfig:
         "comma-separated web origins (`https://app.example.com`, or `*`) whose pages may call "
         "the HTTP API from a browser (CORS); by default none",
         parse=names,
+    )
+    reasoning_parser: str | None = setting(
+        None,
+        "split a reasoning model's thinking from its answer in chat responses "
+        "(`reasoning_content`, streamed too): qwen3 (`<think>...</think>` the model opens) or "
+        "deepseek_r1 (thinking until `</think>`); by default none, all is content",
+        choices=PARSERS,
     )

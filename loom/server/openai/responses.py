@@ -20,55 +20,20 @@ from typing import Any
 
 from loom.core.request_output import Logprobs, RequestOutput
 from loom.server.boundary import MAX_WHOLE_LOGPROBS
+from loom.server.openai.choice import Choice, Prompt
 from loom.server.openai.errors import StreamEndedError, finish_error, invalid
 from loom.server.openai.json_body import Whole
+from loom.server.openai.reasoning import Reasoning
 from loom.server.openai.requests import Ask
 from loom.server.openai.tokens import TokenTexts
 
 DONE = b"data: [DONE]\n\n"
 # Log-probabilities a whole response may hold (tokens x (top + 1), prompt's included): it is
 # built at once, on the loop both fronts share, and rendered in slices off it (1.7 MB of JSON).
-FINISH = {"stop": "stop", "stop_sequence": "stop", "length": "length"}
 
 
 def event(payload: dict[str, Any]) -> bytes:
     return b"data: " + json.dumps(payload, ensure_ascii=False).encode() + b"\n\n"
-
-
-Prompt = tuple[tuple[int, ...], tuple[Logprobs, ...]]  # its token ids; logprobs from the 2nd
-
-
-class Choice:
-    """What one choice has produced so far (for a whole response, and its usage)."""
-
-    def __init__(self) -> None:
-        self.text: list[str] = []
-        self.token_ids: list[int] = []
-        self.logprobs: list[Logprobs] = []
-        self.prompt: Prompt | None = None  # echo with logprobs
-        self.offset = 0  # characters of its tokens' texts streamed so far (text_offset)
-        self.num_tokens = 0
-        self.finish_reason: str | None = None
-        self.usage: Any = None
-
-    def add(self, batch: Sequence[RequestOutput], keep: bool) -> int:
-        """Take a batch in; the log-probabilities it kept (tokens x (top + 1))."""
-        kept = 0
-        for output in batch:
-            self.num_tokens += len(output.token_ids)
-            if output.prompt_token_ids:
-                self.prompt = (output.prompt_token_ids, output.prompt_logprobs)
-                kept += sum(1 + len(lp.top) for lp in output.prompt_logprobs) * keep
-            if keep:
-                self.text.append(output.text)
-                self.token_ids.extend(output.token_ids)
-                self.logprobs.extend(output.logprobs)
-                kept += sum(1 + len(lp.top) for lp in output.logprobs)
-        last = batch[-1]
-        if last.finished:
-            self.finish_reason = FINISH.get(str(last.finish_reason), str(last.finish_reason))
-            self.usage = last.usage
-        return kept
 
 
 class OpenAIFraming:
@@ -84,6 +49,7 @@ class OpenAIFraming:
         model: str,
         tokens: TokenTexts,
         echoes: Sequence[str] = (),
+        reasoning: str | None = None,
     ) -> None:
         self.ask = ask
         self.chat = chat
@@ -94,6 +60,10 @@ class OpenAIFraming:
         self.tokens = tokens
         self.echoes = echoes
         self.choices = [Choice() for _ in range(len(ask.prompts) * ask.n)]
+        # chat's reasoning split from each choice's answer (loom/server/openai/reasoning.py)
+        self.reasoning = (
+            [Reasoning(reasoning) for _ in self.choices] if reasoning and chat else None
+        )
         self.began: set[int] = set()  # choices whose first chunk has gone
         self.kept = 0  # log-probabilities held for a whole response
         top, max_tokens = ask.sampling.logprobs, ask.sampling.max_tokens
@@ -105,21 +75,34 @@ class OpenAIFraming:
 
     def delta(self, index: int, batch: Sequence[RequestOutput]) -> bytes | None:
         self.keep(self.choices[index].add(batch, keep=not self.ask.stream))
+        said = self.said(index, batch, last=False)
         if not self.ask.stream:
             return None
-        return self.chunks(index, batch, None)
+        return self.chunks(index, batch, None, said)
 
     def final(self, index: int, batch: Sequence[RequestOutput], done: bool) -> bytes | Whole | None:
         choice = self.choices[index]
         self.keep(choice.add(batch, keep=not self.ask.stream))
+        said = self.said(index, batch, last=True)
         if not self.ask.stream:  # rendered off the I/O thread as it is sent (json_body.Whole)
             return Whole(self.whole()) if done else None
-        message = self.chunks(index, batch, choice.finish_reason)
+        message = self.chunks(index, batch, choice.finish_reason, said)
         if done:
             if self.ask.include_usage:
                 message += event(self.chunk([], usage=self.usage()))
             message += DONE
         return message
+
+    def said(self, index: int, batch: Sequence[RequestOutput], last: bool) -> dict[str, str]:
+        """A chat delta's text: its content, or (with a reasoning parser) its reasoning_content
+        and content, either left out when it adds nothing."""
+        text = "".join(o.text for o in batch)
+        if self.reasoning is None:
+            return {"content": text}
+        num_tokens = sum(len(o.token_ids) for o in batch)
+        thought, answer = self.reasoning[index].feed(text, num_tokens, last)
+        said = {"reasoning_content": thought} if thought else {}
+        return said | ({"content": answer} if answer or not thought else {})
 
     def keep(self, count: int) -> None:
         """Hold `count` more log-probabilities for a whole response, within the limit."""
@@ -141,7 +124,13 @@ class OpenAIFraming:
 
     # Chunks
 
-    def chunks(self, index: int, batch: Sequence[RequestOutput], finish: str | None) -> bytes:
+    def chunks(
+        self,
+        index: int,
+        batch: Sequence[RequestOutput],
+        finish: str | None,
+        said: dict[str, str] | None = None,
+    ) -> bytes:
         self.sent = True
         text = "".join(o.text for o in batch)
         logprobs = [lp for o in batch for lp in o.logprobs]
@@ -156,9 +145,10 @@ class OpenAIFraming:
             elif self.ask.echo:
                 text = echo + text
                 prompt = self.choices[index].prompt
-        piece = self.piece(
-            index, {"content": text} if self.chat else text, finish, logprobs, prompt
-        )
+        said = {"content": text} if said is None else said
+        if self.chat and said == {"content": ""} and finish is None and not logprobs:
+            return first  # nothing to say yet (a marker held back)
+        piece = self.piece(index, said if self.chat else text, finish, logprobs, prompt)
         if self.ask.token_ids:
             piece["token_ids"] = [t for o in batch for t in o.token_ids]
         return first + event(self.chunk([piece]))
@@ -202,7 +192,14 @@ class OpenAIFraming:
         for index, choice in enumerate(self.choices):
             text = self.echo_of(index) + "".join(choice.text)
             item: dict[str, Any] = {"index": index}
-            if self.chat:
+            if self.chat and self.reasoning is not None:
+                split = self.reasoning[index]
+                item["message"] = {
+                    "role": "assistant",
+                    "content": split.content,
+                    "reasoning_content": split.reasoning,
+                }
+            elif self.chat:
                 item["message"] = {"role": "assistant", "content": text}
             else:
                 item["text"] = text
@@ -226,16 +223,20 @@ class OpenAIFraming:
         """Each prompt once (from its first choice), every choice's completion tokens."""
         prompt = cached = 0
         for index in range(0, len(self.choices), self.ask.n):
-            usage = self.choices[index].usage
-            prompt += usage.prompt_tokens if usage else 0
-            cached += usage.cached_tokens if usage else 0
+            counted = self.choices[index].usage
+            prompt += counted.prompt_tokens if counted else 0
+            cached += counted.cached_tokens if counted else 0
         completion = sum(c.num_tokens for c in self.choices)
-        return {
+        usage: dict[str, Any] = {
             "prompt_tokens": prompt,
             "completion_tokens": completion,
             "total_tokens": prompt + completion,
             "prompt_tokens_details": {"cached_tokens": cached},
         }
+        if self.reasoning is not None:
+            reasoning_tokens = sum(r.tokens for r in self.reasoning)
+            usage["completion_tokens_details"] = {"reasoning_tokens": reasoning_tokens}
+        return usage
 
     def echo_of(self, index: int) -> str:
         return self.echoes[index // self.ask.n] if self.ask.echo and self.echoes else ""

@@ -28,9 +28,16 @@ class ToolFraming(OpenAIFraming):
         self.use: ToolUse = ask.tools
         self.held: dict[int, list[str]] = {}  # auto and required: each choice's text so far
 
-    def chunks(self, index: int, batch: Sequence[RequestOutput], finish: str | None) -> bytes:
+    def chunks(
+        self,
+        index: int,
+        batch: Sequence[RequestOutput],
+        finish: str | None,
+        said: dict[str, str] | None = None,
+    ) -> bytes:
         self.sent = True
-        text = "".join(o.text for o in batch)
+        said = {"content": "".join(o.text for o in batch)} if said is None else said
+        text = said.get("content", "")
         first = b""
         if index not in self.began:
             self.began.add(index)
@@ -42,6 +49,9 @@ class ToolFraming(OpenAIFraming):
                 first += event(
                     self.chunk([self.piece(index, {"tool_calls": [{"index": 0, **opened}]})])
                 )
+        if "reasoning_content" in said:  # a reasoning parser's: streamed as it comes
+            reasoning = {"reasoning_content": said["reasoning_content"]}
+            first += event(self.chunk([self.piece(index, reasoning)]))
         if self.use.mode == "named":
             arguments = {"tool_calls": [{"index": 0, "function": {"arguments": text}}]}
             return first + event(self.chunk([self.piece(index, arguments, self.reason(finish))]))

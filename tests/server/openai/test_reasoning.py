@@ -1,0 +1,115 @@
+"""`--reasoning-parser`: a reasoning model's thinking in chat's `reasoning_content`, never in its
+`content`, streamed and whole, with the reasoning tokens in usage; through the official
+`openai` client, on a tiny Qwen3-shaped model whose tokenizer has `<think>` and `</think>` as
+added tokens and whose weights are set so that greedy decoding writes a script: `<think>`,
+"abc", `</think>`, "Paris", EOS (each layer adds nothing to the residual stream, and the LM
+head maps each token's one-hot embedding to the next token of the script)."""
+
+from __future__ import annotations
+
+import copy
+import itertools
+from typing import Any
+
+import pytest
+import torch
+import trio
+
+from loom.model.loader import LoadedModel
+from loom.server.openai.config import HttpConfig
+from loom.server.openai.reasoning import Reasoning
+from tests.conftest import tiny_model
+from tests.support.http_client import openai_client
+from tests.support.server_harness import serving
+
+ASKED = [{"role": "user", "content": "The capital of France?"}]
+
+
+def scripted(smollm2_tokenizer: Any, script: str) -> LoadedModel:
+    """A tiny Qwen3 that answers every chat prompt with `script` then EOS, greedily."""
+    tokenizer = copy.deepcopy(smollm2_tokenizer)
+    tokenizer.add_tokens(["<think>", "</think>"])
+    loaded = tiny_model("qwen3", vocab_size=len(tokenizer), tokenizer=tokenizer)
+    prompt = tokenizer.apply_chat_template(ASKED, add_generation_prompt=True, tokenize=True)
+    prompt = prompt if isinstance(prompt, list) else prompt["input_ids"]
+    chain = [prompt[-1], *tokenizer.encode(script, add_special_tokens=False)]
+    chain.append(tokenizer.eos_token_id)
+    assert len(set(chain)) == len(chain)  # a token's successor is the script's next token
+    model = loaded.model.model
+    with torch.no_grad():
+        for layer in model.layers:  # nothing added to the residual stream
+            layer.self_attn.o_proj.weight.zero_()
+            layer.mlp.down_proj.weight.zero_()
+        model.embed_tokens.weight.zero_()
+        loaded.model.lm_head.weight.zero_()
+        for place, (token, following) in enumerate(itertools.pairwise(chain)):
+            model.embed_tokens.weight[token, place] = 1.0
+            loaded.model.lm_head.weight[following, place] = 10.0
+    return loaded
+
+
+@pytest.mark.parametrize("parser", ["qwen3", "deepseek_r1"])
+async def test_reasoning_goes_to_reasoning_content_streamed_and_whole(
+    smollm2_tokenizer: Any, parser: str
+) -> None:
+    loaded = scripted(smollm2_tokenizer, "<think>abc</think>Paris")
+    http = HttpConfig(http_port=0, reasoning_parser=parser)
+    async with serving(loaded, http=http) as (server, _):
+        client = openai_client(server.http_port or 0)
+
+        def talk() -> tuple[Any, list[Any]]:
+            settings: dict[str, Any] = {"model": "tiny-qwen3", "messages": ASKED, "temperature": 0}
+            whole = client.chat.completions.create(max_tokens=20, **settings)
+            chunks = list(client.chat.completions.create(
+                stream=True, stream_options={"include_usage": True}, **settings
+            ))  # fmt: skip
+            return whole, chunks
+
+        with trio.fail_after(60):
+            whole, chunks = await trio.to_thread.run_sync(talk)
+    message = whole.choices[0].message
+    assert message.content == "Paris"
+    assert message.model_extra["reasoning_content"] == "abc"
+    assert whole.usage.completion_tokens == 5  # <think> abc </think> Paris <|im_end|>
+    assert whole.usage.completion_tokens_details.reasoning_tokens == 3
+    deltas = [c.choices[0].delta for c in chunks if c.choices]
+    content = "".join(d.content or "" for d in deltas)
+    thought = "".join((d.model_extra or {}).get("reasoning_content") or "" for d in deltas)
+    assert (thought, content) == ("abc", "Paris")
+    assert chunks[-1].usage.completion_tokens_details.reasoning_tokens == 3
+
+
+async def test_without_a_parser_the_thinking_stays_in_the_content(smollm2_tokenizer: Any) -> None:
+    loaded = scripted(smollm2_tokenizer, "<think>abc</think>Paris")
+    async with serving(loaded, http=HttpConfig(http_port=0)) as (server, _):
+        client = openai_client(server.http_port or 0)
+        with trio.fail_after(60):
+            whole = await trio.to_thread.run_sync(
+                lambda: client.chat.completions.create(
+                    model="tiny-qwen3",
+                    messages=ASKED,
+                    temperature=0,  # type: ignore[arg-type]
+                )
+            )
+    assert whole.choices[0].message.content == "<think>abc</think>Paris"
+    assert "reasoning_content" not in (whole.choices[0].message.model_extra or {})
+
+
+@pytest.mark.parametrize(
+    ("parser", "pieces", "split"),
+    [
+        ("qwen3", ["<th", "ink>a", "b</th", "ink>", "Paris"], ("ab", "Paris")),
+        ("qwen3", ["Par", "is"], ("", "Paris")),  # thinking off: all answer
+        ("qwen3", ["<", "b"], ("", "<b")),  # not a marker after all
+        ("deepseek_r1", ["ab", "c</", "think>\n\nParis"], ("abc", "\n\nParis")),
+        ("deepseek_r1", ["<think>ab", "c"], ("abc", "")),  # never closed: all reasoning
+        ("deepseek_r1", ["ab", "</thi"], ("ab</thi", "")),  # cut mid-marker at the end
+    ],
+)
+def test_reasoning_markers_cut_across_steps_are_matched_whole(
+    parser: str, pieces: list[str], split: tuple[str, str]
+) -> None:
+    reasoning = Reasoning(parser)
+    for i, piece in enumerate(pieces):
+        reasoning.feed(piece, 1, last=i == len(pieces) - 1)
+    assert (reasoning.reasoning, reasoning.content) == split
