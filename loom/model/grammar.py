@@ -33,13 +33,13 @@ from typing import Any
 
 import attrs
 import llguidance
-import llguidance.hf
 import torch
 from llguidance.gbnf_to_lark import any_to_lark
 
 from loom.core.config import ConstraintConfig
 from loom.core.constraint import Constraint, ConstraintKind
 from loom.core.errors import InvalidRequestError
+from loom.model.grammar_tokenizer import llguidance_tokenizer
 from loom.model.masks import StepMasks, masks_of
 
 MAX_ERROR_CHARS = 500  # of llguidance's message, in a refusal
@@ -160,7 +160,7 @@ class Grammars:
             if self.ll_tokenizer is None:
                 n_vocab = max(self.vocab_size, len(self.tokenizer))
                 eos = self.eos_token_ids or None
-                self.ll_tokenizer = llguidance.hf.from_tokenizer(self.tokenizer, n_vocab, eos)
+                self.ll_tokenizer = llguidance_tokenizer(self.tokenizer, n_vocab, eos)
             return self.ll_tokenizer
 
     def compile(self, constraint: Constraint) -> Template:

@@ -7,6 +7,7 @@ Rules: SmolLM2's real tokenizer; a grammar that may crash runs in a process of i
 
 from __future__ import annotations
 
+import copy
 import itertools
 import subprocess
 import sys
@@ -66,6 +67,28 @@ def test_grammar_masks_a_row_after_each_draft_the_grammar_takes_and_rolls_back(
     assert rows[4] is None
     assert bool(torch.isfinite(masks.bias).all())
     assert matcher.matcher.validate_tokens([a, b, c]) == 3  # rolled back to its start
+    assert matcher.error() == ""
+
+
+def test_grammar_an_added_token_that_is_text_is_matched_as_its_text(
+    smollm2_tokenizer: Any,
+) -> None:
+    """Qwen3's `<think>` is an added token, not a special one: a constraint that spells it
+    allows it where its text fits and takes it as that text; a special token (EOS) stays
+    special, allowed only where the grammar may end."""
+    tokenizer = copy.deepcopy(smollm2_tokenizer)
+    tokenizer.add_tokens(["<think>", "</think>"])
+    think, end_think = tokenizer.convert_tokens_to_ids(["<think>", "</think>"])
+    grammars = Grammars(tokenizer, len(tokenizer), [2], ConstraintConfig())
+    matcher = grammars.copy(grammars.compile(regex("(<think>[a-z]+</think>)?Paris")))
+    [first] = grammars.fill([(matcher, ())]).allowed
+    assert first is not None
+    assert think in first.tolist()
+    assert 2 not in first.tolist()
+    for token in [think, *tokenizer.encode("abc", add_special_tokens=False), end_think]:
+        matcher.consume(token)
+        assert matcher.error() == ""
+    matcher.consume(tokenizer.encode("Paris", add_special_tokens=False)[0])
     assert matcher.error() == ""
 
 

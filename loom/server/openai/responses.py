@@ -96,11 +96,12 @@ class OpenAIFraming:
     def said(self, index: int, batch: Sequence[RequestOutput], last: bool) -> dict[str, str]:
         """A chat delta's text: its content, or (with a reasoning parser) its reasoning_content
         and content, either left out when it adds nothing."""
-        text = "".join(o.text for o in batch)
         if self.reasoning is None:
-            return {"content": text}
-        num_tokens = sum(len(o.token_ids) for o in batch)
-        thought, answer = self.reasoning[index].feed(text, num_tokens, last)
+            return {"content": "".join(o.text for o in batch)}
+        split, thought, answer = self.reasoning[index], "", ""
+        for at, output in enumerate(batch):  # a step at a time, so its tokens count as it goes
+            pieces = split.feed(output.text, len(output.token_ids), last and at == len(batch) - 1)
+            thought, answer = thought + pieces[0], answer + pieces[1]
         said = {"reasoning_content": thought} if thought else {}
         return said | ({"content": answer} if answer or not thought else {})
 

@@ -113,3 +113,25 @@ def test_reasoning_markers_cut_across_steps_are_matched_whole(
     for i, piece in enumerate(pieces):
         reasoning.feed(piece, 1, last=i == len(pieces) - 1)
     assert (reasoning.reasoning, reasoning.content) == split
+
+
+async def test_a_constraint_that_spells_an_added_token_is_served(smollm2_tokenizer: Any) -> None:
+    """The regex spells `<think>`, an added token the model writes: the request is served
+    (it failed: "token [49152] doesn't satisfy the grammar")."""
+    loaded = scripted(smollm2_tokenizer, "<think>abc</think>Paris")
+    async with serving(loaded, http=HttpConfig(http_port=0)) as (server, _):
+        client = openai_client(server.http_port or 0)
+        with trio.fail_after(60):
+            answers = await trio.to_thread.run_sync(
+                lambda: [
+                    client.chat.completions.create(
+                        model="tiny-qwen3",
+                        messages=ASKED,  # type: ignore[arg-type]
+                        temperature=0,
+                        extra_body={"structured_outputs": {"regex": regex}},
+                    )
+                    for regex in ("<think>abc</think>Paris", "(<think>[a-z]+</think>)?Paris")
+                ]
+            )
+    assert [a.choices[0].message.content for a in answers] == ["<think>abc</think>Paris"] * 2
+    assert [a.choices[0].finish_reason for a in answers] == ["stop", "stop"]

@@ -1,0 +1,73 @@
+"""The model's tokenizer as llguidance reads it, with the added tokens that are text read as
+text.
+
+llguidance takes every added token of a tokenizer.json as a special token, a token no text
+spells (its bytes `\\xff[id]`). A tokenizer's added tokens that are not special are text the
+model writes: Qwen3's `<think>` and `</think>`, tool-call tags. Taken as special, a constraint
+whose text spells one (the regex `<think>abc</think>Paris`) can never match the token the
+model writes for it, and the request fails ("token [49152] doesn't satisfy the grammar").
+So, for a byte-level BPE tokenizer (GPT-2's, Llama 3's, Qwen's, SmolLM's), those added tokens
+are given to llguidance as ordinary vocabulary entries, their text in the byte-level alphabet:
+each one's bytes are its text's, masks allow it wherever its text fits, and consuming it
+advances the grammar by that text. The tokenizer the model runs with is not changed; special
+added tokens (EOS, chat markers) stay special.
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+from copy import copy
+from typing import Any
+
+import llguidance
+
+
+def llguidance_tokenizer(tokenizer: Any, n_vocab: int, eos: list[int] | None) -> Any:
+    """An llguidance.LLTokenizer for a fast transformers tokenizer (a half-second's work for a
+    49k vocabulary: made once)."""
+    backend = copy(tokenizer.backend_tokenizer)
+    backend.no_padding()
+    backend.no_truncation()
+    data = json.loads(backend.to_str())
+    if byte_level(data) and data.get("model", {}).get("type") == "BPE":
+        vocab = data["model"]["vocab"]
+        kept = []
+        for added in data.get("added_tokens", []):
+            if added.get("special", True):
+                kept.append(added)
+            else:
+                vocab[as_byte_level(added["content"])] = added["id"]
+        data["added_tokens"] = kept
+    eos_token = eos if eos is not None else tokenizer.eos_token_id
+    return llguidance.LLTokenizer(json.dumps(data), n_vocab=n_vocab, eos_token=eos_token)
+
+
+def byte_level(data: dict[str, Any]) -> bool:
+    """Whether the tokenizer decodes byte-level BPE (its decoder ByteLevel, alone or in a
+    sequence)."""
+    decoder = data.get("decoder") or {}
+    decoders = (
+        decoder.get("decoders", [decoder]) if decoder.get("type") == "Sequence" else [decoder]
+    )
+    return any(d.get("type") == "ByteLevel" for d in decoders)
+
+
+@functools.cache
+def byte_alphabet() -> dict[int, str]:
+    """GPT-2's byte-level alphabet: each byte as the character its vocabulary spells it with
+    (printable bytes as themselves, the others shifted past 255)."""
+    printable = [*range(ord("!"), ord("~") + 1), *range(0xA1, 0xAC + 1), *range(0xAE, 0xFF + 1)]
+    alphabet, shifted = {}, 0
+    for byte in range(256):
+        if byte in printable:
+            alphabet[byte] = chr(byte)
+        else:
+            alphabet[byte] = chr(256 + shifted)
+            shifted += 1
+    return alphabet
+
+
+def as_byte_level(text: str) -> str:
+    alphabet = byte_alphabet()
+    return "".join(alphabet[b] for b in text.encode())
