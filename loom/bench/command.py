@@ -17,6 +17,7 @@ import torch
 from loom.bench.llama_cpp import add_llama_arguments, check_llama_flags, llama_server
 from loom.bench.measure import Target, measure, measure_caching_off, report
 from loom.bench.metrics import Objectives
+from loom.bench.plot import plot
 from loom.bench.serving import launched_process
 from loom.bench.tenants import ratio_of, report_tenants, run_tenants
 from loom.client.tls import add_tls_arguments
@@ -127,6 +128,8 @@ def add_parser(commands: Any) -> argparse.ArgumentParser:
     add_tls_arguments(bench)
     add("--goodput", default="", help="latency objectives in ms, e.g. ttft=2000,tpot=200")
     add("--json", type=Path, default=None, help="write the results here")
+    add("--plot", type=Path, default=None, help="draw output tok/s, TTFT and TPOT against "
+        "concurrency for every server of the run into this SVG file")  # fmt: skip
     return bench
 
 
@@ -208,6 +211,10 @@ def run(args: argparse.Namespace) -> int:
     compared = not args.compare_prefix_caching or compare_caching_off(args, loaded, goals, results)
     for result in results:
         report(result)
+    if args.plot:
+        model = args.model or "SmolLM2-135M-Instruct"
+        method = args.quantization or "exact"
+        plot(results, args.plot, f"{args.workload} workload, {model}, {method}")
     if args.json:
         config = {k: v for k, v in vars(args).items() if k not in ("json", "func")}
         args.json.write_text(json.dumps({"config": config, "runs": results}, indent=2, default=str))
@@ -217,6 +224,8 @@ def run(args: argparse.Namespace) -> int:
 
 def check_flags(args: argparse.Namespace) -> None:
     """The flags' values, and the ones that go together, refused by name."""
+    if args.plot is not None and args.plot.suffix.lower() != ".svg":
+        raise ValueError(f"--plot draws SVG: name a .svg file, not {args.plot.name}")
     for flag, value, minimum in [
         ("--num-prompts", 1 if args.num_prompts is None else args.num_prompts, 1),
         ("--input-len", args.input_len, 1),

@@ -7,6 +7,7 @@ import math
 import socket
 import subprocess
 import sys
+import xml.etree.ElementTree as ET
 from pathlib import Path
 from typing import Any
 
@@ -93,9 +94,11 @@ def test_bench_drives_the_simulated_model_with_many_streams(tmp_path: Path) -> N
     command += ["--concurrency", "300", "--input-len", "8", "--output-len", "8"]
     # 300 at once: over the default waiting-queue limit (256) while the first are admitted.
     command += ["--serve-args=--max-num-seqs 512 --max-waiting-requests 1024"]
-    command += ["--json", str(out)]
+    command += ["--json", str(out), "--plot", str(tmp_path / "bench.svg")]
     result = subprocess.run(command, capture_output=True, text=True, timeout=300)
     assert result.returncode == 0, result.stderr[-2000:]
+    svg = ET.parse(tmp_path / "bench.svg").getroot()
+    assert len(list(svg.iter("{http://www.w3.org/2000/svg}polyline"))) == 3  # Loom, 3 panels
     (run,) = json.loads(out.read_text())["runs"]
     assert run["loom"]["completed"] == 300
     assert run["loom"]["output_tokens"] == 300 * 8
