@@ -60,7 +60,8 @@ async def slow_stream(
 ) -> list[int]:
     """A slow reader on a channel with small HTTP/2 windows: flow control holds the server
     back, so its request stays in flight in the engine too (each message carries 20
-    logprobs)."""
+    logprobs; the window holds ~190 tokens' worth, and the rest come at most a few a
+    message, 20 ms apart: a second or more, however fast the machine)."""
     responses = []
     async with LoomStub(channel).Generate.open() as stream:
         await stream.send_message(greedy([3, 1, 4], 400, logprobs=20), end=True)
@@ -70,7 +71,7 @@ async def slow_stream(
                 if len(num_started) == 3:
                     started.set()
             responses.append(response)
-            await asyncio.sleep(0.005)
+            await asyncio.sleep(0.02)
     return token_ids(responses)
 
 
