@@ -211,13 +211,13 @@ def run(args: argparse.Namespace) -> int:
     compared = not args.compare_prefix_caching or compare_caching_off(args, loaded, goals, results)
     for result in results:
         report(result)
+    if args.json:
+        config = {k: v for k, v in vars(args).items() if k not in ("json", "func")}
+        args.json.write_text(json.dumps({"config": config, "runs": results}, indent=2, default=str))
     if args.plot:
         model = args.model or "SmolLM2-135M-Instruct"
         method = args.quantization or "exact"
         plot(results, args.plot, f"{args.workload} workload, {model}, {method}")
-    if args.json:
-        config = {k: v for k, v in vars(args).items() if k not in ("json", "func")}
-        args.json.write_text(json.dumps({"config": config, "runs": results}, indent=2, default=str))
     failed = report_failures(results)
     return 1 if failed or not compared else 0
 
@@ -226,6 +226,8 @@ def check_flags(args: argparse.Namespace) -> None:
     """The flags' values, and the ones that go together, refused by name."""
     if args.plot is not None and args.plot.suffix.lower() != ".svg":
         raise ValueError(f"--plot draws SVG: name a .svg file, not {args.plot.name}")
+    if args.plot is not None and not args.plot.resolve().parent.is_dir():
+        raise ValueError(f"--plot: no folder {args.plot.resolve().parent} to write it in")
     for flag, value, minimum in [
         ("--num-prompts", 1 if args.num_prompts is None else args.num_prompts, 1),
         ("--input-len", args.input_len, 1),

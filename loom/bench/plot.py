@@ -7,6 +7,7 @@ or Markdown page shows, small enough to commit beside BENCHMARKS.md.
 
 from __future__ import annotations
 
+import math
 import os
 import platform
 from collections.abc import Sequence
@@ -45,7 +46,12 @@ def series_of(results: Sequence[dict[str, Any]]) -> dict[str, list[dict[str, Any
     labels["caching_off"] = "Loom, prefix caching off"
     for level, result in enumerate(results):
         found = {label: result[key] for key, label in labels.items() if key in result}
-        found |= {f"llama.cpp {Path(n).name}": f for n, f in result.get("llama_cpp", {}).items()}
+        files = result.get("llama_cpp", {})
+        bases = [Path(n).name for n in files]  # the whole path where two names are alike
+        found |= {
+            f"llama.cpp {base if bases.count(base) == 1 else path}": f
+            for base, (path, f) in zip(bases, files.items(), strict=True)
+        }
         for label, figures in found.items():
             names.setdefault(label, [None] * len(results))[level] = figures
     return names
@@ -54,8 +60,10 @@ def series_of(results: Sequence[dict[str, Any]]) -> dict[str, list[dict[str, Any
 def value(figures: dict[str, Any] | None, key: tuple[str, str | None]) -> float | None:
     if figures is None or key[0] not in figures:
         return None
-    found = figures[key[0]] if key[1] is None else figures[key[0]].get(key[1])
-    return float(found) if isinstance(found, int | float) else None
+    found = figures[key[0]] if key[1] is None else (figures[key[0]] or {}).get(key[1])
+    if not isinstance(found, int | float) or not math.isfinite(found):
+        return None  # (a level whose requests all failed: NaN, left out)
+    return float(found)
 
 
 def plot(results: Sequence[dict[str, Any]], path: Path, workload: str) -> None:
@@ -79,7 +87,7 @@ def plot(results: Sequence[dict[str, Any]], path: Path, workload: str) -> None:
         parts.append(f'<text x="{x + 16:.0f}" y="{HEIGHT - 16}">{escape(label)}</text>')
         x += 32 + 6.5 * len(label)
     parts.append("</svg>")
-    path.write_text("\n".join(parts) + "\n")
+    path.write_text("\n".join(parts) + "\n", encoding="utf-8")
 
 
 def panel(

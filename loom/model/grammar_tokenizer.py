@@ -9,8 +9,11 @@ model writes for it, and the request fails ("token [49152] doesn't satisfy the g
 So, for a byte-level BPE tokenizer (GPT-2's, Llama 3's, Qwen's, SmolLM's), those added tokens
 are given to llguidance as ordinary vocabulary entries, their text in the byte-level alphabet:
 each one's bytes are its text's, masks allow it wherever its text fits, and consuming it
-advances the grammar by that text. The tokenizer the model runs with is not changed; special
-added tokens (EOS, chat markers) stay special.
+advances the grammar by that text. Every added token goes into the vocabulary at its own id
+(so that none is renumbered when the text ones leave the added list); special ones stay added,
+and special. Where a text token is spelled as another entry already, or where the result does
+not decode each id as before, llguidance's own reading is kept. The tokenizer the model runs
+with is not changed.
 """
 
 from __future__ import annotations
@@ -29,18 +32,31 @@ def llguidance_tokenizer(tokenizer: Any, n_vocab: int, eos: list[int] | None) ->
     backend = copy(tokenizer.backend_tokenizer)
     backend.no_padding()
     backend.no_truncation()
-    data = json.loads(backend.to_str())
-    if byte_level(data) and data.get("model", {}).get("type") == "BPE":
-        vocab = data["model"]["vocab"]
-        kept = []
-        for added in data.get("added_tokens", []):
-            if added.get("special", True):
-                kept.append(added)
-            else:
-                vocab[as_byte_level(added["content"])] = added["id"]
-        data["added_tokens"] = kept
+    text = backend.to_str()
     eos_token = eos if eos is not None else tokenizer.eos_token_id
-    return llguidance.LLTokenizer(json.dumps(data), n_vocab=n_vocab, eos_token=eos_token)
+    plain = llguidance.LLTokenizer(text, n_vocab=n_vocab, eos_token=eos_token)
+    data = json.loads(text)
+    if not (byte_level(data) and data.get("model", {}).get("type") == "BPE"):
+        return plain
+    vocab, added = data["model"]["vocab"], data.get("added_tokens", [])
+    moved = {}  # id: text, the added tokens that are text
+    for token in added:  # every added token in the vocabulary, at its own id: none renumbered
+        key = token["content"] if token.get("special", True) else as_byte_level(token["content"])
+        if vocab.get(key, token["id"]) != token["id"]:
+            return plain  # spelled as another token already: left as llguidance takes it
+        vocab[key] = token["id"]
+        if not token.get("special", True):
+            moved[token["id"]] = token["content"]
+    if not moved:
+        return plain
+    data["added_tokens"] = [t for t in added if t.get("special", True)]
+    made = llguidance.LLTokenizer(json.dumps(data), n_vocab=n_vocab, eos_token=eos_token)
+    specials = [t["id"] for t in data["added_tokens"]]
+    same = all(made.decode_bytes([i]) == text.encode() for i, text in moved.items()) and all(
+        made.is_special_token(i) and made.decode_bytes([i]) == plain.decode_bytes([i])
+        for i in specials
+    )
+    return made if same else plain  # checked: each id still the token it was
 
 
 def byte_level(data: dict[str, Any]) -> bool:

@@ -61,3 +61,28 @@ def test_bench_plot_refuses_a_file_that_is_not_svg(tmp_path: Path) -> None:
     assert result.returncode != 0
     assert "--plot draws SVG: name a .svg file, not bench.png" in result.stderr
     assert not (tmp_path / "bench.png").exists()
+
+
+def test_plot_leaves_out_a_level_that_has_no_figure_and_names_alike_files_apart(
+    tmp_path: Path,
+) -> None:
+    nan = float("nan")
+    results = [
+        {
+            "concurrency": c,
+            "loom": figures(nan if c == 8 else 100.0, nan if c == 8 else 5.0, 3.0),
+            "llama_cpp": {
+                "/a/model.gguf": figures(50.0, 9.0, 4.0),
+                "/b/model.gguf": figures(60.0, 8.0, 4.0),
+            },
+        }
+        for c in (1, 8, 64)
+    ]
+    path = tmp_path / "bench.svg"
+    plot(results, path, "standard workload")
+    root = ET.parse(path).getroot()
+    assert "nan" not in path.read_text()
+    texts = [t.text or "" for t in root.iter(f"{SVG}text")]
+    assert {"llama.cpp /a/model.gguf", "llama.cpp /b/model.gguf"} <= set(texts)
+    lines = [line.get("points", "").split() for line in root.iter(f"{SVG}polyline")]
+    assert [len(points) for points in lines[:3]] == [2, 3, 3]  # Loom's tok/s: 8 left out

@@ -74,10 +74,11 @@ def test_grammar_an_added_token_that_is_text_is_matched_as_its_text(
     smollm2_tokenizer: Any,
 ) -> None:
     """Qwen3's `<think>` is an added token, not a special one: a constraint that spells it
-    allows it where its text fits and takes it as that text; a special token (EOS) stays
-    special, allowed only where the grammar may end."""
+    allows it where its text fits and takes it as that text; special tokens (EOS, an added
+    special token before it) stay special, never renumbered."""
     tokenizer = copy.deepcopy(smollm2_tokenizer)
-    tokenizer.add_tokens(["<think>", "</think>"])
+    tokenizer.add_special_tokens({"additional_special_tokens": ["<|tool|>"]})  # first: Qwen3's
+    tokenizer.add_tokens(["<think>", "</think>"])  # layout, specials before the text ones
     think, end_think = tokenizer.convert_tokens_to_ids(["<think>", "</think>"])
     grammars = Grammars(tokenizer, len(tokenizer), [2], ConstraintConfig())
     matcher = grammars.copy(grammars.compile(regex("(<think>[a-z]+</think>)?Paris")))
@@ -85,6 +86,7 @@ def test_grammar_an_added_token_that_is_text_is_matched_as_its_text(
     assert first is not None
     assert think in first.tolist()
     assert 2 not in first.tolist()
+    assert tokenizer.convert_tokens_to_ids("<|tool|>") not in first.tolist()
     for token in [think, *tokenizer.encode("abc", add_special_tokens=False), end_think]:
         matcher.consume(token)
         assert matcher.error() == ""

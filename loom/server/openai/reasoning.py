@@ -32,6 +32,7 @@ class Reasoning:
         self.reasoning = ""
         self.content = ""
         self.tokens = 0  # reasoning tokens
+        self.held_tokens = 0  # the tokens of held text not yet known to be thinking
 
     def feed(self, text: str, num_tokens: int, last: bool = False) -> tuple[str, str]:
         """What `text` (of `num_tokens` tokens) adds to the reasoning and to the answer;
@@ -40,12 +41,14 @@ class Reasoning:
         if self.state == "start":
             if START.startswith(text) and text != START and not last:
                 self.held = text  # perhaps the start of `<think>`: decide when it is whole
-                self.tokens += num_tokens
+                self.held_tokens += num_tokens
                 return "", ""
             if text.startswith(START):
                 self.state, text = "thinking", text[len(START) :]
             else:
                 self.state = "thinking" if self.opened else "answering"
+            if self.state == "thinking":
+                self.tokens += self.held_tokens
         thought = said = ""
         if self.state == "thinking":
             self.tokens += num_tokens

@@ -60,9 +60,12 @@ class OpenAIFraming:
         self.tokens = tokens
         self.echoes = echoes
         self.choices = [Choice() for _ in range(len(ask.prompts) * ask.n)]
-        # chat's reasoning split from each choice's answer (loom/server/openai/reasoning.py)
+        # chat's reasoning split from each choice's answer (loom/server/openai/reasoning.py);
+        # not a constrained answer's: its grammar binds from the first token, so there is no
+        # thinking to split (deepseek_r1's would take the whole answer for it)
+        split = chat and ask.sampling.constraint is None
         self.reasoning = (
-            [Reasoning(reasoning) for _ in self.choices] if reasoning and chat else None
+            [Reasoning(reasoning) for _ in self.choices] if split and reasoning else None
         )
         self.began: set[int] = set()  # choices whose first chunk has gone
         self.kept = 0  # log-probabilities held for a whole response
@@ -120,7 +123,10 @@ class OpenAIFraming:
         error = finish_error(batch[-1])
         if not self.ask.stream or not self.sent:
             return None, error
-        partial = self.chunks(index, batch[:-1], None) if len(batch) > 1 else b""
+        partial = b""
+        if len(batch) > 1:  # what came before the end, split as the stream splits it
+            said = self.said(index, batch[:-1], last=True)
+            partial = self.chunks(index, batch[:-1], None, said)
         return partial + event(error.body()) + DONE, StreamEndedError(error)
 
     # Chunks
@@ -147,7 +153,8 @@ class OpenAIFraming:
                 text = echo + text
                 prompt = self.choices[index].prompt
         said = {"content": text} if said is None else said
-        if self.chat and said == {"content": ""} and finish is None and not logprobs:
+        quiet = said == {"content": ""} and finish is None and not logprobs
+        if self.chat and quiet and not self.ask.token_ids:
             return first  # nothing to say yet (a marker held back)
         piece = self.piece(index, said if self.chat else text, finish, logprobs, prompt)
         if self.ask.token_ids:

@@ -74,7 +74,10 @@ class ToolFraming(OpenAIFraming):
         for item in result["choices"]:
             content, calls = self.use.calls(item["message"]["content"])
             if calls:
+                thought = item["message"].get("reasoning_content")
                 item["message"] = {"role": "assistant", "content": content, "tool_calls": calls}
+                if thought is not None:
+                    item["message"]["reasoning_content"] = thought
                 item["finish_reason"] = self.reason(item["finish_reason"])
         return result
 

@@ -135,3 +135,33 @@ async def test_a_constraint_that_spells_an_added_token_is_served(smollm2_tokeniz
             )
     assert [a.choices[0].message.content for a in answers] == ["<think>abc</think>Paris"] * 2
     assert [a.choices[0].finish_reason for a in answers] == ["stop", "stop"]
+
+
+def test_reasoning_tokens_are_those_written_while_thinking() -> None:
+    """Held text counts only once it proves to open the thinking."""
+    not_thinking, thinking = Reasoning("qwen3"), Reasoning("qwen3")
+    for split, pieces in ((not_thinking, ["<", "b>hi"]), (thinking, ["<th", "ink>a", "</think>b"])):
+        for i, piece in enumerate(pieces):
+            split.feed(piece, 1, last=i == len(pieces) - 1)
+    assert (not_thinking.tokens, not_thinking.content) == (0, "<b>hi")
+    assert (thinking.tokens, thinking.reasoning, thinking.content) == (3, "a", "b")
+
+
+async def test_a_constrained_answer_is_not_split(smollm2_tokenizer: Any) -> None:
+    """Its grammar binds from the first token: with deepseek_r1's parser, the answer stays
+    the content (split, all of it would have been taken for reasoning)."""
+    loaded = scripted(smollm2_tokenizer, "<think>abc</think>Paris")
+    http = HttpConfig(http_port=0, reasoning_parser="deepseek_r1")
+    async with serving(loaded, http=http) as (server, _):
+        client = openai_client(server.http_port or 0)
+        with trio.fail_after(60):
+            answer = await trio.to_thread.run_sync(
+                lambda: client.chat.completions.create(
+                    model="tiny-qwen3",
+                    messages=ASKED,  # type: ignore[arg-type]
+                    temperature=0,
+                    extra_body={"structured_outputs": {"regex": "(<think>[a-z]+</think>)?Paris"}},
+                )
+            )
+    assert answer.choices[0].message.content == "<think>abc</think>Paris"
+    assert "reasoning_content" not in (answer.choices[0].message.model_extra or {})
