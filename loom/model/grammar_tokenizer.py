@@ -35,6 +35,9 @@ def llguidance_tokenizer(tokenizer: Any, n_vocab: int, eos: list[int] | None) ->
     text = backend.to_str()
     eos_token = eos if eos is not None else tokenizer.eos_token_id
     plain = llguidance.LLTokenizer(text, n_vocab=n_vocab, eos_token=eos_token)
+    added_decoder = getattr(tokenizer, "added_tokens_decoder", {})
+    if all(token.special for token in added_decoder.values()):
+        return plain  # no added token is text (SmolLM2's): llguidance's reading, as it was
     data = json.loads(text)
     if not (byte_level(data) and data.get("model", {}).get("type") == "BPE"):
         return plain
