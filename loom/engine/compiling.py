@@ -75,6 +75,7 @@ class Compiler:
         self.num_live = 0  # running, and within their time limit
         self.num_begun = 0  # compiles begun, ever
         self.turns: dict[str, int] = {}  # the tenants' last turns (num_begun then)
+        self.preparing = trio.Lock()  # first in, first out: requests queue in their order
 
     async def matcher(
         self, constraint: Constraint | None, tenant: str, cache_salt: str
@@ -90,8 +91,12 @@ class Compiler:
             self.cache.move_to_end(key)
             return self.grammars.copy(template)
         # Once per engine, off the compile threads and outside any time limit: the tokenizer
-        # as llguidance sees it (half a second).
-        await trio.to_thread.run_sync(self.grammars.prepare)
+        # as llguidance sees it (half a second). Behind a fair lock, so that the requests that
+        # came while it was made queue in the order they came (each returning from its own
+        # thread, they queued in any order: a race a compile-order test lost).
+        async with self.preparing:
+            if self.grammars.ll_tokenizer is None:
+                await trio.to_thread.run_sync(self.grammars.prepare)
         job = self.compiles.get(key) or self.enqueue(key)
         job.waiters += 1
         try:
