@@ -126,10 +126,14 @@ def smollm2_tokenizer() -> Any:
 @pytest.fixture(scope="session")
 def tiny_folder(tmp_path_factory: pytest.TempPathFactory, smollm2_tokenizer: Any) -> Path:
     """A tiny random Llama saved with SmolLM2's tokenizer: a model folder for `loom` processes."""
-    folder = tmp_path_factory.mktemp("tiny-llama")
-    loaded = tiny_model("llama", vocab_size=len(smollm2_tokenizer), tokenizer=smollm2_tokenizer)
+    return saved_tiny(tmp_path_factory.mktemp("tiny-llama"), "llama", smollm2_tokenizer)
+
+
+def saved_tiny(folder: Path, family: str, tokenizer: Any) -> Path:
+    """A tiny random model of `family` saved in `folder` with `tokenizer`."""
+    loaded = tiny_model(family, vocab_size=len(tokenizer), tokenizer=tokenizer)
     loaded.model.save_pretrained(folder)
-    smollm2_tokenizer.save_pretrained(folder)
+    tokenizer.save_pretrained(folder)
     return folder
 
 

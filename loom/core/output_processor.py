@@ -76,6 +76,7 @@ class OutputProcessor:
                 accepted_draft_tokens=request.num_accepted_tokens,
             ),
             timings=timings(request, now),
+            embedding=request.embedding(),
         )
 
 

@@ -50,8 +50,10 @@ def block_hashes(request: Request, block_size: int, num_tokens: int) -> list[byt
 def cached_prefix(blocks: BlockManager, request: Request) -> list[int]:
     """The cached blocks a waiting request can take: whole blocks, never the one with its last
     token (a step must compute at least one token to sample from). None for a request that
-    scores its prompt: every position is computed (and scored) then."""
-    if not blocks.enable_caching or request.sampling.prompt_logprobs is not None:
+    scores its prompt or means its hidden states: every position is computed then."""
+    pooling = request.sampling.pooling
+    every = request.sampling.prompt_logprobs is not None
+    if not blocks.enable_caching or every or (pooling is not None and pooling.kind == "mean"):
         return []
     num_tokens = request.num_tokens - 1
     return blocks.cached_prefix(block_hashes(request, blocks.block_size, num_tokens))

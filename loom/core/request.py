@@ -7,6 +7,7 @@ import enum
 import attrs
 
 from loom.core.constraint import Matcher
+from loom.core.pooling import PoolRows, add_pooled, embedding, pool_rows
 from loom.core.request_output import FinishReason, Logprobs
 from loom.core.sampling_params import SamplingParams
 from loom.core.tenancy import SHARED, Tenancy
@@ -89,6 +90,10 @@ class Request:
     tenancy: Tenancy = SHARED
     prompt_logprobs: list[Logprobs] = attrs.field(factory=list)  # of prompt tokens 1.. (asked)
     matcher: Matcher | None = None  # its constraint's state, advanced by each output token
+    # An embedding's (loom/core/pooling.py): its prompt positions pooled so far, and their sum
+    # (mean) or the last token's hidden state.
+    num_pooled: int = 0
+    pooled: list[float] = attrs.field(factory=list, repr=False)
     # Speculative decoding (loom/core/speculative.py): its tokens as the proposer searches
     # them, and the draft tokens it verified and accepted, all time.
     token_bytes: bytearray = attrs.field(init=False, factory=bytearray, repr=False)
@@ -133,6 +138,28 @@ class Request:
             next_token_ids=self.prompt_token_ids[first + 1 : last + 1],
             num_top=top,
         )
+
+    def pool_rows(self, start: int, end: int) -> PoolRows | None:
+        """What a step computing tokens `start:end` pools of an embedding's prompt."""
+        pooling = self.sampling.pooling
+        return pool_rows(pooling, start, end, self.num_pooled, self.num_prompt_tokens)
+
+    def pool(self, values: tuple[float, ...] | None, rows: PoolRows | None) -> None:
+        """A step's pooled values, once its computed tokens are counted."""
+        if values is not None and rows is not None:
+            self.pooled = add_pooled(self.pooled, values, rows.mean)
+            self.num_pooled = min(self.num_computed_tokens, self.num_prompt_tokens)
+
+    @property
+    def embedded(self) -> bool:
+        """An embedding whose every prompt position is pooled: it is done."""
+        return self.sampling.pooling is not None and self.num_pooled == self.num_prompt_tokens
+
+    def embedding(self) -> tuple[float, ...] | None:
+        pooling = self.sampling.pooling
+        if pooling is None or not self.embedded:
+            return None
+        return embedding(self.pooled, self.num_prompt_tokens, pooling)
 
     @property
     def finished(self) -> bool:

@@ -71,6 +71,7 @@ class RequestOutput:
     error: str | None = None  # why, for ABORTED, STALLED, DEADLINE, ERROR and REFUSED
     usage: Usage | None = None
     timings: Timings | None = None
+    embedding: tuple[float, ...] | None = None  # an embedding's vector, with its final output
 
     @property
     def finished(self) -> bool:

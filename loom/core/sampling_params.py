@@ -12,6 +12,7 @@ import attrs
 
 from loom.core.constraint import Constraint
 from loom.core.errors import InvalidRequestError
+from loom.core.pooling import Pooling
 
 MAX_LOGPROBS = 20
 MAX_STOP_STRINGS = 16
@@ -84,6 +85,8 @@ class SamplingParams:
     # Loom's: False keeps this request's steps free of draft tokens when speculative decoding
     # is on (its output is the same either way; only its speed and its steps' cost differ).
     speculative: bool = True
+    # An embedding: the prompt pooled into a vector (loom/core/pooling.py); nothing sampled.
+    pooling: Pooling | None = None
 
     def __attrs_post_init__(self) -> None:
         check_range("temperature", self.temperature, 0.0, 100.0)
@@ -118,6 +121,8 @@ class SamplingParams:
             check_range("logprobs", self.logprobs, 0, MAX_LOGPROBS)
         if self.prompt_logprobs is not None:
             check_range("prompt_logprobs", self.prompt_logprobs, 0, MAX_LOGPROBS)
+        if self.pooling is not None and (self.constraint or self.prompt_logprobs is not None):
+            raise InvalidRequestError("an embedding samples nothing: no constraint, no logprobs")
         if self.constraint is not None:
             taken = {
                 "ignore_eos": self.ignore_eos,

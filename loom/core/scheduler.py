@@ -231,6 +231,7 @@ class Scheduler:
             request.num_computed_tokens += len(seq.token_ids) - len(seq.draft_token_ids)
             request.num_computed_tokens += num_accepted
             request.prompt_logprobs += result.prompt_logprobs.get(seq.request_id, ())
+            request.pool(result.pooled.get(seq.request_id), seq.pooling)
             if request.deadline is not None and now >= request.deadline:
                 tokens = []  # too late: dropped; `expired` finishes it as DEADLINE next
             delta, status = self.take(request, tokens, now, rate)
@@ -240,11 +241,11 @@ class Scheduler:
             cache_full_blocks(self.block_manager, request, seq.computed_from, done)
             self.block_manager.slide(request.request_id, done)
             self.block_manager.trim(request.request_id, request.num_tokens)
-            if delta is None:
-                continue
+            status = RequestStatus.FINISHED_STOPPED if request.embedded else status
             if status is not None and self.finish(request, status, request.stop_error()):
                 delta = self.outputs.final(request, now, delta)
-            advanced.append((request, delta))
+            if delta is not None:
+                advanced.append((request, delta))
         return advanced
 
     def take(

@@ -17,6 +17,7 @@ from collections.abc import Mapping
 
 import attrs
 
+from loom.core.pooling import PoolRows
 from loom.core.request import PromptScoring, Request
 from loom.core.request_output import Logprobs
 from loom.core.sampling_params import SamplingParams
@@ -70,6 +71,7 @@ class ScheduledSequence:
     block_table: tuple[int, ...]  # blocks covering num_computed_tokens + len(token_ids)
     sampling: SamplingInput | None = None  # None: a prompt chunk with more to come samples nothing
     scoring: PromptScoring | None = None  # the prompt's logprobs asked for, and due here
+    pooling: PoolRows | None = None  # an embedding's rows to pool (it never samples)
     draft_token_ids: tuple[int, ...] = ()  # the tail of `token_ids` to verify (sampling rows)
     # With a draft model (loom/model/drafter.py): the drafts it is to propose and append, and
     # the tokens before `token_ids` it has not computed (the last step kept all its drafts).
@@ -93,14 +95,16 @@ class ScheduledSequence:
         """The request's next `num_new` tokens, and its drafts (by request id), or the number a
         draft model is to propose, if it has any."""
         start, end = request.num_computed_tokens, request.num_computed_tokens + num_new
+        samples = end == request.num_tokens and request.sampling.pooling is None
         guess = drafts.get(request.request_id, ())
         return cls(
             request_id=request.request_id,
             token_ids=request.token_ids(start, end) + guess,
             num_computed_tokens=start,
             block_table=block_table,
-            sampling=SamplingInput.of(request) if end == request.num_tokens else None,
+            sampling=SamplingInput.of(request) if samples else None,
             scoring=request.prompt_scoring(start, end),
+            pooling=request.pool_rows(start, end),
             draft_token_ids=guess,
             num_draft_slots=slots.get(request.request_id, 0),
             draft_prefix=request.token_ids(start - request.draft_lag, start),
@@ -122,6 +126,7 @@ class ModelRunnerOutput:
     logprobs: tuple[Logprobs | None, ...]
     prompt_logprobs: Mapping[str, tuple[Logprobs, ...]] = attrs.field(factory=dict)
     drafts: Mapping[str, tuple[int, ...]] = attrs.field(factory=dict)  # each drafted row's
+    pooled: Mapping[str, tuple[float, ...]] = attrs.field(factory=dict)  # embeddings' (PoolRows)
 
     def by_request(self) -> dict[str, list[tuple[int, Logprobs | None]]]:
         """Each request's emitted tokens, in order, with their logprobs."""

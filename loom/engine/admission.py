@@ -44,6 +44,7 @@ from loom.engine.request_stream import RequestStream, in_trio
 from loom.model.grammar import Grammars
 from loom.model.loader import LoadedModel
 from loom.model.model_runner import ModelRunner
+from loom.model.pooling_config import EmbeddingModel, served_as
 
 Admit = Callable[["Submission", Request], None]
 
@@ -70,8 +71,10 @@ class Admission:
         *,
         refused: Callable[[Exception, str], None],
         push_out: Callable[[Request, str], None],
+        embedding: EmbeddingModel | None = None,
     ) -> None:
         self.config = config
+        self.embedding = embedding  # an embedding model's pooling: it serves embeddings only
         self.prompts = prompts
         self.scheduler = scheduler
         self.grammars = grammars
@@ -116,7 +119,8 @@ class Admission:
         grammars = Grammars(
             loaded.tokenizer, runner.vocab_size, loaded.eos_token_ids, config.constraints
         )
-        return cls(config, prompts, scheduler, grammars, refused=refused, push_out=push_out)
+        make = partial(cls, refused=refused, push_out=push_out, embedding=loaded.embedding)
+        return make(config, prompts, scheduler, grammars)
 
     def submit(
         self,
@@ -131,6 +135,7 @@ class Admission:
     ) -> RequestStream:
         """Queue a request under a new id of the engine's making, or refuse it at once. The
         stream's consumer reaches the engine's `abort` and `resume` for this id alone."""
+        sampling = served_as(self.embedding, sampling)
         self.prompts.check_size(prompt)
         self.prompts.check_cache_salt(cache_salt)
         self.prompts.check_token_ids("logit_bias token ids", [t for t, _ in sampling.logit_bias])

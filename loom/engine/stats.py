@@ -233,6 +233,7 @@ class ModelInfo:
     pad_token_id: int | None
     architecture: str
     has_tokenizer: bool
+    is_generation: bool = True  # False: an embedding model (--task embed)
 
     @classmethod
     def of(
@@ -258,4 +259,5 @@ class ModelInfo:
             pad_token_id=getattr(tokenizer, "pad_token_id", None),
             architecture=architecture,
             has_tokenizer=tokenizer is not None,
+            is_generation=getattr(loaded, "embedding", None) is None,
         )

@@ -181,10 +181,14 @@ class DecoderModel:
             hidden.add_(delta)
         return rms_norm(hidden, weight, self.eps)
 
+    def final_hidden(self, hidden: torch.Tensor) -> torch.Tensor:
+        """The final norm of hidden states [N, hidden]: transformers' `last_hidden_state`."""
+        return self.add_norm(hidden.contiguous(), None, self.final_norm)
+
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """Logits [N, vocab] for hidden states [N, hidden]: the final norm and the LM head (and
         Gemma 2's soft cap, `cap * tanh(logits / cap)`)."""
-        logits = self.lm_head(self.add_norm(hidden.contiguous(), None, self.final_norm))
+        logits = self.lm_head(self.final_hidden(hidden))
         if (cap := self.family.final_softcap) is not None:
             logits = torch.tanh(logits / cap) * cap
         return logits

@@ -24,6 +24,7 @@ from typing import Any
 import attrs
 import torch
 
+from loom.core.pooling import POOLING_KINDS
 from loom.core.setting import setting
 from loom.model.device import DTYPES, resolve_device, resolve_dtype
 from loom.model.family import family_of
@@ -31,6 +32,7 @@ from loom.model.gguf_file import read_file_header
 from loom.model.gguf_metadata import check_gguf
 from loom.model.gguf_weights import names, read_weights
 from loom.model.linear import METHODS, check_method
+from loom.model.pooling_config import TASKS, EmbeddingModel, embedding_model
 
 log = logging.getLogger(__name__)
 
@@ -51,6 +53,7 @@ class LoadedModel:
     quantization: str = "none"  # how the runner computes the linear layers (linear.METHODS)
     draft_quantization: str | None = None  # and a draft model of the same weights, if any
     tokenizer_folder: Path | None = None  # the files the tokenizer was read from, if local
+    embedding: EmbeddingModel | None = None  # how it pools, if it serves embeddings
 
     @property
     def eos_token_ids(self) -> tuple[int, ...]:
@@ -86,6 +89,21 @@ class ModelConfig:
         "activations, smoothed; cpu, float32; about 1%% higher perplexity)",
         choices=METHODS,
     )
+    task: str = setting(
+        "auto",
+        "generate, or embed (/v1/embeddings and nothing else); auto: embed for a "
+        "sentence-transformers folder (an embedding model), else generate",
+        choices=TASKS,
+    )
+    pooling: str | None = setting(
+        None,
+        "how an embedding pools the prompt's hidden states: last (token) or mean (default: "
+        "the model's sentence-transformers config, else last)",
+        choices=POOLING_KINDS,
+    )
+    matryoshka: bool = setting(
+        False, "an embedding request may ask for fewer dimensions (a Matryoshka model)"
+    )
 
     def __attrs_post_init__(self) -> None:
         device = resolve_device(self.device)  # a bad name fails here, not later
@@ -95,7 +113,9 @@ class ModelConfig:
         device = resolve_device(self.device)
         dtype = resolve_dtype(self.dtype, device)
         loaded = load_model(self.model, dtype=dtype, device=device, cache_dir=self.model_cache)
-        return attrs.evolve(loaded, quantization=self.quantization)
+        config, folder = loaded.model.config, loaded.tokenizer_folder
+        embedding = embedding_model(folder, config, self.task, self.pooling, self.matryoshka)
+        return attrs.evolve(loaded, quantization=self.quantization, embedding=embedding)
 
 
 def default_model_path() -> Path:

@@ -17,9 +17,11 @@ import logging
 from collections.abc import Sequence
 from functools import partial
 
+import attrs
 import torch
 
 from loom.core.config import CacheConfig
+from loom.core.pooling import PoolRows
 from loom.core.request import PromptScoring
 from loom.core.request_output import Logprobs
 from loom.core.speculative import emitted, sampling_rows
@@ -97,24 +99,37 @@ class ModelRunner:
             sequences = tuple(self.drafter.draft(sequences))
         hidden = self.forward(sequences)
         ends = torch.tensor([len(seq.token_ids) for seq in sequences]).cumsum(0)
+        ended = list(zip(sequences, ends.tolist(), strict=True))
         scored = {
             seq.request_id: self.score(hidden[end - len(seq.token_ids) :], seq.scoring)
-            for seq, end in zip(sequences, ends.tolist(), strict=True)
+            for seq, end in ended
             if seq.scoring is not None
         }
-        ended = zip(sequences, ends.tolist(), strict=True)
+        pooled = {
+            seq.request_id: self.pool(hidden[end - len(seq.token_ids) : end], seq.pooling)
+            for seq, end in ended
+            if seq.pooling is not None
+        }
         sampling = [(s, end) for s, end in ended if s.sampling is not None]
         if not sampling:
             return ModelRunnerOutput(
-                request_ids=(), token_ids=(), logprobs=(), prompt_logprobs=scored
+                request_ids=(), token_ids=(), logprobs=(), prompt_logprobs=scored, pooled=pooled
             )
         # A sequence's rows: its last position, or with k drafts its last k + 1 (one each).
         rows = [e - 1 - j for s, e in sampling for j in reversed(range(len(s.draft_token_ids) + 1))]
         logits = self.model.compute_logits(hidden[torch.tensor(rows, device=self.device)]).float()
         sampled = self.sampler.sample(logits, sampling_rows([s for s, _ in sampling]), masks)
-        return emitted(
+        emits = emitted(
             [s for s, _ in sampling], sampled.token_ids, sampled.logprobs, prompt_logprobs=scored
         )
+        return attrs.evolve(emits, pooled=pooled) if pooled else emits
+
+    def pool(self, hidden: torch.Tensor, rows: PoolRows) -> tuple[float, ...]:
+        """An embedding's chunk (`hidden` its rows) pooled: after the final norm, the sum of
+        its rows from `rows.first_row` on, or that row alone (loom/core/pooling.py)."""
+        first = rows.first_row
+        normed = self.model.final_hidden(hidden[first:] if rows.mean else hidden[first : first + 1])
+        return tuple(normed.float().sum(0).tolist())
 
     def score(self, hidden: torch.Tensor, scoring: PromptScoring) -> tuple[Logprobs, ...]:
         """The log-probabilities of a chunk's next prompt tokens (`hidden` starts at the

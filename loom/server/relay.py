@@ -1,7 +1,8 @@
 """One client request from its submission to its end, for either front: the relay owns the
 engine requests it submits (one, or `n` for an HTTP request asking for several choices).
 
-    submit (trio thread, through the bridge) ──▶ a RequestStream for each choice
+    submit (trio thread, through the bridge, every choice at once: one refused, none runs)
+        ──▶ a RequestStream for each choice
         sink.when_ended(abort): a reset or a lost connection aborts every choice at once, in
         the connection's own event, whatever the handler is doing
     relay: what has piled up since the last send goes out as one message, framed by the
@@ -42,6 +43,12 @@ log = logging.getLogger(__name__)
 
 
 Live = dict[tuple[str, str], set[RequestStream]]  # by (tenant, request_id label): for Abort
+
+
+def aborted(streams: Iterable[RequestStream]) -> None:
+    """Abort requests submitted for a call that will not relay them."""
+    for stream in streams:
+        stream.abort()
 
 
 def abort_labels(live: Live, tenant: str, request_ids: Iterable[str]) -> int:
@@ -121,8 +128,9 @@ class Relay:
         key = (tenant, request_id)
         try:
             try:
-                for submission in submissions:
-                    self.streams.append(await self.submit(submission, time_left))
+                self.streams = await self.bridge.call(
+                    self.submit_all, submissions, time_left, orphan=aborted
+                )
             finally:
                 self.sink.arrived()  # a drain waits for this (loom/server/drain.py)
             for outputs in self.streams:
@@ -143,21 +151,27 @@ class Relay:
             if not streams:
                 del self.live[key]
 
-    async def submit(self, submission: EngineRequest, time_left: float | None) -> RequestStream:
-        return await self.bridge.call(
-            self.submit_until, submission, time_left, orphan=RequestStream.abort
-        )
-
-    def submit_until(self, submission: EngineRequest, time_left: float | None) -> RequestStream:
-        """In the trio thread: submit, the client's deadline becoming the request's."""
+    def submit_all(
+        self, submissions: Sequence[EngineRequest], time_left: float | None
+    ) -> list[RequestStream]:
+        """In the trio thread, in one go: submit every choice, the client's deadline becoming
+        theirs; one refused, those submitted before it are aborted."""
         deadline = None if time_left is None else trio.current_time() + time_left
-        return self.engine.submit(
-            submission.prompt,
-            submission.sampling,
-            deadline=deadline,
-            cache_salt=submission.cache_salt,
-            tenancy=submission.tenancy,
-        )
+        streams: list[RequestStream] = []
+        try:
+            for submission in submissions:
+                stream = self.engine.submit(
+                    submission.prompt,
+                    submission.sampling,
+                    deadline=deadline,
+                    cache_salt=submission.cache_salt,
+                    tenancy=submission.tenancy,
+                )
+                streams.append(stream)
+        except BaseException:
+            aborted(streams)
+            raise
+        return streams
 
     async def relay(self) -> None:
         wake = self.bridge.waker(self.wake)

@@ -188,7 +188,7 @@ class GetModelInfoRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class ModelInfo(_message.Message):
-    __slots__ = ("model", "max_model_len", "vocab_size", "dtype", "device", "block_size", "max_num_seqs", "max_waiting_requests", "max_waiting_tokens", "output_buffer_size", "stall_timeout", "eos_token_ids", "bos_token_id", "pad_token_id", "architecture", "has_tokenizer")
+    __slots__ = ("model", "max_model_len", "vocab_size", "dtype", "device", "block_size", "max_num_seqs", "max_waiting_requests", "max_waiting_tokens", "output_buffer_size", "stall_timeout", "eos_token_ids", "bos_token_id", "pad_token_id", "architecture", "has_tokenizer", "is_generation")
     MODEL_FIELD_NUMBER: _ClassVar[int]
     MAX_MODEL_LEN_FIELD_NUMBER: _ClassVar[int]
     VOCAB_SIZE_FIELD_NUMBER: _ClassVar[int]
@@ -205,6 +205,7 @@ class ModelInfo(_message.Message):
     PAD_TOKEN_ID_FIELD_NUMBER: _ClassVar[int]
     ARCHITECTURE_FIELD_NUMBER: _ClassVar[int]
     HAS_TOKENIZER_FIELD_NUMBER: _ClassVar[int]
+    IS_GENERATION_FIELD_NUMBER: _ClassVar[int]
     model: str
     max_model_len: int
     vocab_size: int
@@ -221,7 +222,8 @@ class ModelInfo(_message.Message):
     pad_token_id: int
     architecture: str
     has_tokenizer: bool
-    def __init__(self, model: _Optional[str] = ..., max_model_len: _Optional[int] = ..., vocab_size: _Optional[int] = ..., dtype: _Optional[str] = ..., device: _Optional[str] = ..., block_size: _Optional[int] = ..., max_num_seqs: _Optional[int] = ..., max_waiting_requests: _Optional[int] = ..., max_waiting_tokens: _Optional[int] = ..., output_buffer_size: _Optional[int] = ..., stall_timeout: _Optional[float] = ..., eos_token_ids: _Optional[_Iterable[int]] = ..., bos_token_id: _Optional[int] = ..., pad_token_id: _Optional[int] = ..., architecture: _Optional[str] = ..., has_tokenizer: _Optional[bool] = ...) -> None: ...
+    is_generation: bool
+    def __init__(self, model: _Optional[str] = ..., max_model_len: _Optional[int] = ..., vocab_size: _Optional[int] = ..., dtype: _Optional[str] = ..., device: _Optional[str] = ..., block_size: _Optional[int] = ..., max_num_seqs: _Optional[int] = ..., max_waiting_requests: _Optional[int] = ..., max_waiting_tokens: _Optional[int] = ..., output_buffer_size: _Optional[int] = ..., stall_timeout: _Optional[float] = ..., eos_token_ids: _Optional[_Iterable[int]] = ..., bos_token_id: _Optional[int] = ..., pad_token_id: _Optional[int] = ..., architecture: _Optional[str] = ..., has_tokenizer: _Optional[bool] = ..., is_generation: _Optional[bool] = ...) -> None: ...
 
 class GetServerStatsRequest(_message.Message):
     __slots__ = ()

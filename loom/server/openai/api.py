@@ -3,6 +3,7 @@ gRPC front serves, through the same relay, tenants and limits.
 
     POST /v1/chat/completions  POST /v1/completions   (streamed as SSE with "stream": true)
     POST /v1/responses         (stateless: loom/server/openai/responses_input.py)
+    POST /v1/embeddings        (an embedding model's: loom/server/openai/embeddings.py)
     GET  /v1/models            GET  /v1/models/{id}
     POST /tokenize             POST /detokenize
     GET  /health               GET  /version
@@ -27,6 +28,7 @@ from loom.engine.engine import Engine, EngineState
 from loom.server.boundary import BoundaryConfig
 from loom.server.bridge import TrioBridge
 from loom.server.openai.config import HttpConfig
+from loom.server.openai.embeddings import EmbeddingsAsk, EmbeddingsFraming, embeddings_ask
 from loom.server.openai.errors import HttpError, StreamEndedError, http_errors, invalid
 from loom.server.openai.exchange import Exchange, reply_error
 from loom.server.openai.fields import int_list
@@ -38,7 +40,7 @@ from loom.server.openai.responses_events import ResponsesFraming
 from loom.server.openai.responses_input import ResponsesAsk, renamed, responses_ask
 from loom.server.openai.tokens import TokenTexts
 from loom.server.openai.tool_framing import ToolFraming
-from loom.server.relay import Live, Relay
+from loom.server.relay import Framing, Live, Relay
 from loom.server.tenants import HEALTH_PREFIX, Tenant, Tenants
 
 Route = Callable[[HttpRequest, Exchange], Awaitable[Any]]
@@ -64,6 +66,7 @@ class OpenAIApi:
             ("POST", "/v1/chat/completions"): lambda r, e: self.generate(r, e, "chat"),
             ("POST", "/v1/completions"): lambda r, e: self.generate(r, e, "completions"),
             ("POST", "/v1/responses"): lambda r, e: self.generate(r, e, "responses"),
+            ("POST", "/v1/embeddings"): lambda r, e: self.generate(r, e, "embeddings"),
             ("GET", "/v1/models"): self.models,
             ("POST", "/tokenize"): self.tokenize,
             ("POST", "/detokenize"): self.detokenize,
@@ -104,23 +107,7 @@ class OpenAIApi:
                 exchange.stream = ask.stream
                 model = self.check_model(ask.model)
                 time_left = exchange.time_left()
-                tokenizer = self.tokenizer()
-                tokens = TokenTexts(tokenizer, as_ids=ask.tokens_as_ids)
-                framing: OpenAIFraming
-                if isinstance(ask, ResponsesAsk):
-                    framing = ResponsesFraming(
-                        ask, request_id=request_id, model=model, tokens=tokens
-                    )
-                else:
-                    framing = (ToolFraming if ask.tools else OpenAIFraming)(
-                        ask,
-                        chat=kind == "chat",
-                        request_id=request_id,
-                        model=model,
-                        tokens=tokens,
-                        echoes=echoes(tokenizer, ask.prompts) if ask.echo else (),
-                        reasoning=self.config.reasoning_parser,
-                    )
+                framing = self.framing(ask, kind, request_id, model)
                 tenancy = Tenancy(
                     tenant=tenant.name, weight=tenant.weight, connection=f"http {request.peer}"
                 )
@@ -139,7 +126,7 @@ class OpenAIApi:
             done()
         await exchange.finish()
 
-    def reading(self, kind: str) -> Callable[[Any], Ask]:
+    def reading(self, kind: str) -> Callable[[Any], Ask | EmbeddingsAsk]:
         """What reads a `kind` request's body into what it asks of the engine."""
         max_choices = self.config.max_choices
         if kind == "chat":
@@ -147,7 +134,30 @@ class OpenAIApi:
         if kind == "responses":
             return partial(responses_ask, max_choices=max_choices)
         max_ids = self.engine.loaded_core().admission.prompts.max_model_len
+        if kind == "embeddings":
+            inputs, vocab = self.config.max_embedding_inputs, self.engine.loaded_core().runner
+            return partial(
+                embeddings_ask, max_inputs=inputs, max_ids=max_ids, vocab_size=vocab.vocab_size
+            )
         return partial(completion_ask, max_choices=max_choices, max_ids=max_ids)
+
+    def framing(self, ask: Ask | EmbeddingsAsk, kind: str, request_id: str, model: str) -> Framing:
+        """How the relay frames what `ask` gets back, for the `kind` of request it is."""
+        if isinstance(ask, EmbeddingsAsk):
+            return EmbeddingsFraming(ask, request_id=request_id, model=model)
+        tokenizer = self.tokenizer()
+        tokens = TokenTexts(tokenizer, as_ids=ask.tokens_as_ids)
+        if isinstance(ask, ResponsesAsk):
+            return ResponsesFraming(ask, request_id=request_id, model=model, tokens=tokens)
+        return (ToolFraming if ask.tools else OpenAIFraming)(
+            ask,
+            chat=kind == "chat",
+            request_id=request_id,
+            model=model,
+            tokens=tokens,
+            echoes=echoes(tokenizer, ask.prompts) if ask.echo else (),
+            reasoning=self.config.reasoning_parser,
+        )
 
     def identify(self, request: HttpRequest) -> Tenant:
         path = HEALTH_PREFIX if request.path == "/health" else request.path

@@ -29,6 +29,12 @@ class HttpConfig:
         "most sequences one request may ask for (HTTP: n times its prompts; vllm.grpc.engine: n)",
         check=at_least(1),
     )
+    max_embedding_inputs: int = setting(
+        256,
+        "most inputs one /v1/embeddings request may hold (each takes a place in the queue, "
+        "so at most --max-waiting-requests)",
+        check=at_least(1),
+    )
     served_model_name: str | None = setting(
         None,
         "the model's name in the HTTP API and to a gateway (vllm.grpc.engine's GetModelInfo) "

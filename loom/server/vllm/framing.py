@@ -8,7 +8,8 @@
 
 Choices are told apart by `index`. The prompt's logprobs, when asked, come on the first chunk
 (or the Complete). Any end but a normal finish is the gRPC status for it (the same as
-loom.v1's), after a chunk of the tokens not yet sent when streaming.
+loom.v1's), after a chunk of the tokens not yet sent when streaming. An Embed call's answer
+(`EmbedFraming`) is one EmbedResponse: the vector, its length and the prompt's tokens.
 """
 
 from __future__ import annotations
@@ -99,3 +100,24 @@ class VllmFraming:
             index=index,
             **wire.matched_stop(last),  # type: ignore[arg-type]
         )
+
+
+class EmbedFraming:
+    """An Embed call's one answer: the vector, once its prompt is pooled (loom/core/pooling.py);
+    any other end is the gRPC status for it."""
+
+    def delta(self, index: int, batch: Sequence[RequestOutput]) -> Any:
+        return None  # an embedding says nothing before its end
+
+    def final(self, index: int, batch: Sequence[RequestOutput], done: bool) -> Any:
+        last = batch[-1]
+        vector = last.embedding or ()
+        prompt_tokens = last.usage.prompt_tokens if last.usage is not None else 0
+        return pb.EmbedResponse(
+            embedding=vector, prompt_tokens=prompt_tokens, embedding_dim=len(vector)
+        )
+
+    def abnormal(self, index: int, batch: Sequence[RequestOutput]) -> tuple[Any, Exception]:
+        last = batch[-1]
+        status = ABNORMAL_STATUS[last.finish_reason]  # type: ignore[index]
+        return None, GRPCError(status, last.error or str(last.finish_reason))

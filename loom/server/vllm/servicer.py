@@ -11,7 +11,7 @@ whose client went away (after it finished too: an unknown label is no error). Ev
 a health probe has a tenant, as on loom.v1: Abort reaches the caller's own requests only, and
 the loads show the caller's own prefix-cache figures.
 
-Embed, FlushCache and the profiler answer UNIMPLEMENTED.
+Embed serves an embedding model's vectors; FlushCache and the profiler answer UNIMPLEMENTED.
 """
 
 from __future__ import annotations
@@ -26,9 +26,12 @@ from grpclib.health.check import ServiceStatus
 from grpclib.server import Stream
 
 from loom.core.kv_events import KvEventLog
+from loom.core.pooling import Pooling
+from loom.core.sampling_params import SamplingParams
 from loom.core.tenancy import Tenancy
 from loom.engine.engine import Engine
 from loom.server.bridge import TrioBridge
+from loom.server.grpc.call import Call
 from loom.server.grpc.servicer import abort_labelled, call_of, generate_request
 from loom.server.grpc.status import status_errors
 from loom.server.grpc.wire import request_id_from
@@ -37,7 +40,7 @@ from loom.server.relay import EngineRequest, Live, Relay
 from loom.server.traffic import DrainPhase
 from loom.server.vllm import wire
 from loom.server.vllm.config import VllmConfig
-from loom.server.vllm.framing import VllmFraming
+from loom.server.vllm.framing import EmbedFraming, VllmFraming
 from loom.server.vllm.kv_feed import KvFeed, Subscriptions
 from loom.server.vllm.tokenizer_bundle import TokenizerBundle
 from loom.smg import common_pb2 as common
@@ -46,6 +49,11 @@ from loom.smg.vllm_engine_grpc import VllmEngineBase
 
 UNIMPLEMENTED = "not served by Loom"
 MAX_SEQUENCE = 1 << 63
+
+
+def tenancy_of(call: Call) -> Tenancy:
+    tenant = call.tenant
+    return Tenancy(tenant=tenant.name, weight=tenant.weight, connection=f"grpc {call.peer.addr()}")
 
 
 class VllmServicer(VllmEngineBase):
@@ -80,10 +88,7 @@ class VllmServicer(VllmEngineBase):
             prompt = wire.prompt_from(request)
             sampling = wire.sampling_from(request.sampling_params)
             n = wire.num_choices(request.sampling_params, self.max_choices)
-            tenant = call.tenant
-            tenancy = Tenancy(
-                tenant=tenant.name, weight=tenant.weight, connection=f"grpc {call.peer.addr()}"
-            )
+            tenancy = tenancy_of(call)
             submission = EngineRequest(prompt=prompt, sampling=sampling, tenancy=tenancy)
             num_prompt_tokens = 0 if isinstance(prompt, str) else len(prompt)
             framing = VllmFraming(
@@ -212,7 +217,19 @@ class VllmServicer(VllmEngineBase):
         return wire.scheduler_load(load)
 
     async def Embed(self, stream: Stream[pb.EmbedRequest, pb.EmbedResponse]) -> None:
-        raise GRPCError(Status.UNIMPLEMENTED, UNIMPLEMENTED)
+        """An embedding model's vector for one prompt (as /v1/embeddings gives it), pooled and
+        normalised the model's way; refused by a generating model, as vLLM's is."""
+        call = call_of(stream)
+        request = await generate_request(call, self.engine)
+        with status_errors():
+            request_id = request_id_from(request)
+            prompt = wire.embed_prompt(request)
+            tenancy = tenancy_of(call)
+            sampling = SamplingParams(pooling=Pooling())
+            submission = EngineRequest(prompt=prompt, sampling=sampling, tenancy=tenancy)
+            relay = Relay(call, EmbedFraming(), self.engine, self.bridge, self.live)
+            timeout = call.deadline.time_remaining() if call.deadline else None
+            await relay.run(request_id, [submission], timeout)
 
     async def FlushCache(
         self, stream: Stream[common.FlushCacheRequest, common.FlushCacheResponse]

@@ -53,6 +53,15 @@ def prompt_from(request: pb.GenerateRequest) -> Prompt:
     raise InvalidRequestError("input is required: set tokenized or text")
 
 
+def embed_prompt(request: pb.EmbedRequest) -> Prompt:
+    """An Embed call's token ids (its original text, for Loom to tokenize, if it sent none)."""
+    if request.tokenized.input_ids:
+        return request.tokenized.input_ids
+    if request.tokenized.original_text:
+        return request.tokenized.original_text
+    raise InvalidRequestError("tokenized is required: input_ids or original_text")
+
+
 def sampling_from(message: pb.SamplingParams) -> SamplingParams:
     """vLLM's meanings (the module's docstring); validation names the field."""
     for field in ("truncate_prompt_tokens", "structural_tag"):
@@ -136,7 +145,7 @@ def model_info_message(info: ModelInfo, served_model_name: str | None) -> pb.Get
     machine has (a path of this one's would mean nothing there)."""
     return pb.GetModelInfoResponse(
         model_path=info.model,
-        is_generation=True,
+        is_generation=info.is_generation,
         max_context_length=info.max_model_len,
         vocab_size=info.vocab_size,
         served_model_name=served_model_name or info.model,
