@@ -123,6 +123,8 @@ def serve(args: argparse.Namespace) -> int:
     model = settings_from(args, ModelConfig)
     engine_config = settings_from(args, EngineConfig)
     if model.model is not None and is_sim(model.model):
+        if model.task == "embed":
+            raise SystemExit("loom serve: --task embed: the simulated model pools nothing")
         sim = load_sim(model.model, model.model_cache)  # a bad parameter fails here, named
         engine = Engine(engine_config, lambda: sim, make_runner=SimRunner)
     else:

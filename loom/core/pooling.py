@@ -25,6 +25,7 @@ from loom.core.errors import InvalidRequestError
 
 PoolingKind = Literal["last", "mean"]
 POOLING_KINDS: tuple[PoolingKind, ...] = ("last", "mean")
+MAX_DIMENSIONS = 1 << 20  # beyond any model's hidden size (the model's own is checked later)
 
 
 @attrs.frozen(kw_only=True)
@@ -38,8 +39,10 @@ class Pooling:
     kind: PoolingKind | None = None
 
     def __attrs_post_init__(self) -> None:
-        if self.dimensions is not None and not (1 <= self.dimensions <= 1 << 20):
-            raise InvalidRequestError(f"dimensions must be at least 1, got {self.dimensions}")
+        if self.dimensions is not None and not (1 <= self.dimensions <= MAX_DIMENSIONS):
+            raise InvalidRequestError(
+                f"dimensions must be in [1, {MAX_DIMENSIONS}], got {self.dimensions}"
+            )
 
 
 @attrs.frozen(kw_only=True)

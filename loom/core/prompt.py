@@ -149,7 +149,7 @@ class PromptChecker:
             request_id=request_id,
             prompt_token_ids=token_ids,
             sampling=sampling,
-            max_tokens=self.check(token_ids, sampling.max_tokens),
+            max_tokens=self.check(token_ids, sampling.max_tokens, sampling.pooling is None),
             eos_token_ids=self.eos_token_ids,
             arrival_time=arrival_time,
             deadline=deadline,
@@ -157,14 +157,19 @@ class PromptChecker:
             tenancy=tenancy,
         )
 
-    def check(self, token_ids: Sequence[int], max_tokens: int | None) -> int:
-        """The request's resolved max_tokens, or why it can never be served."""
+    def check(
+        self, token_ids: Sequence[int], max_tokens: int | None, generates: bool = True
+    ) -> int:
+        """The request's resolved max_tokens, or why it can never be served (an embedding,
+        which `generates` nothing, may fill the context)."""
         num_prompt = len(token_ids)
         if not token_ids:
             raise InvalidRequestError("prompt must not be empty")
-        if num_prompt + (max_tokens or 1) > self.max_model_len:
+        room = (max_tokens or 1) if generates else 0
+        if num_prompt + room > self.max_model_len:
+            asked = f" + max_tokens ({room})" if generates else ""
             raise InvalidRequestError(
-                f"prompt ({num_prompt} tokens) + max_tokens ({max_tokens or 1}) exceeds the "
-                f"context length of {self.max_model_len} tokens"
+                f"prompt ({num_prompt} tokens){asked} exceeds the context length of "
+                f"{self.max_model_len} tokens"
             )
         return max_tokens or self.max_model_len - num_prompt

@@ -6,7 +6,7 @@ import enum
 
 import attrs
 
-from loom.core.constraint import Matcher
+from loom.core.constraint import Matcher, Thinking
 from loom.core.pooling import PoolRows, add_pooled, embedding, pool_rows
 from loom.core.request_output import FinishReason, Logprobs
 from loom.core.sampling_params import SamplingParams
@@ -90,6 +90,9 @@ class Request:
     tenancy: Tenancy = SHARED
     prompt_logprobs: list[Logprobs] = attrs.field(factory=list)  # of prompt tokens 1.. (asked)
     matcher: Matcher | None = None  # its constraint's state, advanced by each output token
+    # A constraint that waits for the thinking to end (`constrain`): held until `</think>`.
+    thinking: Thinking | None = None
+    held: Matcher | None = None
     # An embedding's (loom/core/pooling.py): its prompt positions pooled so far, and their sum
     # (mean) or the last token's hidden state.
     num_pooled: int = 0
@@ -169,12 +172,36 @@ class Request:
     def paused(self) -> bool:
         return self.paused_since is not None
 
-    def take(self, token_id: int) -> None:
+    def constrain(self, matcher: Matcher, thinking: Thinking | None = None) -> None:
+        """Bind the constraint's matcher: from the first token, or (`thinking`, unless the
+        prompt has closed it) once the thinking ends: deepseek_r1's from the first token on,
+        qwen3's if the answer opens with `<think>` (its first mask allows that token too)."""
+        if thinking is None or thinking.ended_in(self.prompt_token_ids):
+            self.matcher = matcher
+            return
+        self.thinking = thinking
+        if thinking.model_opens:
+            self.matcher, matcher.opening = matcher, thinking.start
+        else:
+            self.held = matcher
+
+    def take(self, token_id: int) -> bool:
         """A sampled token: the output's next, and its constraint's (a preemption keeps both,
-        so the matcher stays in step with the output it has seen)."""
+        so the matcher stays in step with the output it has seen). True when it ends the
+        thinking: the constraint binds from the next token."""
         self.output_token_ids.append(token_id)
+        if self.held is not None and self.thinking is not None:
+            if token_id != self.thinking.end:
+                return False
+            self.matcher, self.held = self.held, None
+            return True
         if self.matcher is not None:
+            opening, self.matcher.opening = self.matcher.opening, None
+            if token_id == opening:  # the thinking opens: the constraint waits for its end
+                self.matcher, self.held = None, self.matcher
+                return False
             self.matcher.consume(token_id)
+        return False
 
     def stop_error(self) -> str | None:
         """Why the request's constraint failed, if it did."""

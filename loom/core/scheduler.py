@@ -255,7 +255,7 @@ class Scheduler:
         for none), and how the request ends (None: it goes on)."""
         deltas, status = [], None
         for token_id, logprobs in tokens:
-            request.take(token_id)
+            bound = request.take(token_id)  # the tokens after it were drafted unconstrained
             if request.matcher is not None:
                 self.fair.charge(request.tenant, request.matcher.step_seconds * rate)
             if request.first_token_time is None:
@@ -265,7 +265,7 @@ class Scheduler:
             deltas.append(self.outputs.new_token(request, logprobs, last=status is not None))
             if deltas[-1].finish_reason is FinishReason.STOP_SEQUENCE:
                 status = RequestStatus.FINISHED_STOP_SEQUENCE
-            if status is not None:
+            if status is not None or bound:
                 break
         return (merged(deltas) if deltas else None), status
 

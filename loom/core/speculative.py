@@ -118,8 +118,11 @@ class Speculation:
                 break
             if num_new != 1 or request.num_tokens - request.num_computed_tokens != 1:
                 continue  # a prompt chunk
-            if not request.sampling.speculative or (method == "draft" and request.matcher):
+            constrained = request.matcher or request.held  # (held: it binds after thinking)
+            if not request.sampling.speculative or (method == "draft" and constrained):
                 continue
+            if request.sampling.pooling is not None:
+                continue  # an embedding: its prompt's last token, pooled, and nothing after
             if request.draft_pause > 0:  # its drafts missed lately: it waits
                 request.draft_pause -= 1
                 continue

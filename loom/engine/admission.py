@@ -42,6 +42,7 @@ from loom.engine.config import CHARS_PER_TOKEN, EngineConfig
 from loom.engine.queue_share import PUSHED_OUT, QueueShare, queue_full
 from loom.engine.request_stream import RequestStream, in_trio
 from loom.model.grammar import Grammars
+from loom.model.grammar_tokenizer import thinking_tokens
 from loom.model.loader import LoadedModel
 from loom.model.model_runner import ModelRunner
 from loom.model.pooling_config import EmbeddingModel, served_as
@@ -267,7 +268,9 @@ class Admission:
                 cache_salt=submission.cache_salt,
                 tenancy=submission.tenancy,
             )
-            request.matcher = matcher
+            if matcher is not None:  # (with a reasoning parser, bound after the thinking)
+                constraint = submission.sampling.constraint
+                request.constrain(matcher, thinking_tokens(self.prompts.tokenizer, constraint))
             self.check_backlog(request.num_prompt_tokens)
             self.take_place(submission)
         except Exception as exc:  # invalid or overloaded

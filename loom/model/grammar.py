@@ -21,10 +21,8 @@ examples/constraint_candidates.py.
 
 from __future__ import annotations
 
-import contextlib
 import functools
 import json
-import os
 import threading
 import time
 from collections.abc import Sequence
@@ -39,16 +37,11 @@ from llguidance.gbnf_to_lark import any_to_lark
 from loom.core.config import ConstraintConfig
 from loom.core.constraint import Constraint, ConstraintKind
 from loom.core.errors import InvalidRequestError
+from loom.model.deep_threads import deep_stack_threads
 from loom.model.grammar_tokenizer import llguidance_tokenizer
 from loom.model.masks import StepMasks, masks_of
 
 MAX_ERROR_CHARS = 500  # of llguidance's message, in a refusal
-# llguidance recurses on a grammar's depth as it builds it: a chain of a few thousand Lark
-# rules overflows a thread's usual 8 MiB stack and kills the process (a segfault, not an
-# exception). Its threads get a stack far deeper than the deepest grammar within
-# max_constraint_bytes needs (tests/model/test_grammar.py builds them); it is address space,
-# touched only as deep as a grammar goes.
-GRAMMAR_STACK_BYTES = 1 << 30
 COMPILE_NICE = 19
 # The masks' expected CPU time (their rows' token_seconds) from which two threads fill them:
 # below it the hand-over costs more than it saves (16 rows of a 2,000-property schema: 0.07
@@ -80,6 +73,7 @@ class GrammarMatcher:
         self.token_seconds = template.token_seconds
         self.step_seconds = 0.0
         self.template: Template | None = template  # until its first token is taken
+        self.opening: int | None = None  # allowed beside the grammar's first tokens
 
     def consume(self, token_id: int) -> None:
         """Advance by a sampled token (an error state if the grammar refuses it, which `error`
@@ -237,6 +231,8 @@ def fill_rows(rows: Sequence[Drafted], mask: torch.Tensor, words: int) -> None:
         if not m.matcher.is_error():  # an error leaves the rows all ones
             started = time.thread_time()
             m.matcher.unsafe_compute_mask_ptr(mask[at].data_ptr(), words * 4)
+            if m.opening is not None:  # qwen3's <think>: the answer may open its thinking
+                allow(mask[at], m.opening)
             taken = drafts[: m.matcher.validate_tokens(list(drafts))] if drafts else ()
             for i, token in enumerate(taken, start=1):
                 m.matcher.consume_token(token)
@@ -250,26 +246,11 @@ def fill_rows(rows: Sequence[Drafted], mask: torch.Tensor, words: int) -> None:
         at += 1 + len(drafts)
 
 
-def deep_stack_threads(count: int, name: str, nice: int = 0) -> ThreadPoolExecutor:
-    """An executor whose `count` threads are started now, each with a GRAMMAR_STACK_BYTES
-    stack (a thread's stack size is fixed as it starts: each blocks until all have started)
-    and at `nice` (Linux: a thread's own priority)."""
-    executor = ThreadPoolExecutor(max_workers=count, thread_name_prefix=name)
-    started = threading.Barrier(count + 1)
-
-    def start() -> None:
-        with contextlib.suppress(OSError, AttributeError):  # not every platform has it
-            os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), nice)
-        started.wait()
-
-    previous = threading.stack_size(GRAMMAR_STACK_BYTES)
-    try:
-        for _ in range(count):  # none is idle yet, so each submit starts a thread
-            executor.submit(start)
-        started.wait()
-    finally:
-        threading.stack_size(previous)
-    return executor
+def allow(row: torch.Tensor, token_id: int) -> None:
+    """Set a token's bit in a mask row of int32 words."""
+    word, bit = divmod(token_id, 32)
+    value = int(row[word]) | 1 << bit
+    row[word] = value - (1 << 32) if value >= 1 << 31 else value
 
 
 def lark_of(spec: str) -> str:

@@ -25,6 +25,9 @@ from typing import Any
 
 import llguidance
 
+from loom.core.constraint import THINKING_OPENS, Constraint, Thinking
+from loom.core.errors import InvalidRequestError
+
 
 def llguidance_tokenizer(tokenizer: Any, n_vocab: int, eos: list[int] | None) -> Any:
     """An llguidance.LLTokenizer for a fast transformers tokenizer (a half-second's work for a
@@ -90,3 +93,24 @@ def byte_alphabet() -> dict[int, str]:
 def as_byte_level(text: str) -> str:
     alphabet = byte_alphabet()
     return "".join(alphabet[b] for b in text.encode())
+
+
+def thinking_tokens(tokenizer: Any, constraint: Constraint | None) -> Thinking | None:
+    """For a constraint that waits for the reasoning to end: the ids of the model's `</think>`
+    and `<think>`, each one token of the vocabulary where the parser needs it (`</think>`
+    always; `<think>` for qwen3, whose model opens its thinking itself), as vLLM's parsers
+    need them."""
+    reasoning = constraint.reasoning if constraint is not None else None
+    if reasoning is None:
+        return None
+    model_opens = THINKING_OPENS[reasoning]
+    start, end = (tokenizer.encode(m, add_special_tokens=False) for m in ("<think>", "</think>"))
+    if len(end) != 1 or (model_opens and len(start) != 1):
+        needed = "<think> and </think>" if model_opens else "</think>"
+        raise InvalidRequestError(
+            f"a constraint after the reasoning ({reasoning}) needs {needed} to be single "
+            "tokens of the model's vocabulary"
+        )
+    return Thinking(
+        end=end[0], start=start[0] if len(start) == 1 else None, model_opens=model_opens
+    )

@@ -113,8 +113,8 @@ class ModelConfig:
         device = resolve_device(self.device)
         dtype = resolve_dtype(self.dtype, device)
         loaded = load_model(self.model, dtype=dtype, device=device, cache_dir=self.model_cache)
-        config, folder = loaded.model.config, loaded.tokenizer_folder
-        embedding = embedding_model(folder, config, self.task, self.pooling, self.matryoshka)
+        config, location = loaded.model.config, loaded.tokenizer_folder or self.model
+        embedding = embedding_model(location, config, self.task, self.pooling, self.matryoshka)
         return attrs.evolve(loaded, quantization=self.quantization, embedding=embedding)
 
 

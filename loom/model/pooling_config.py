@@ -14,6 +14,7 @@ A request may ask for fewer `dimensions` only of a Matryoshka model: its config 
 from __future__ import annotations
 
 import json
+import logging
 from pathlib import Path
 from typing import Any, cast
 
@@ -24,6 +25,7 @@ from loom.core.pooling import Pooling, PoolingKind
 from loom.core.sampling_params import SamplingParams
 from loom.model.family import UnsupportedModelError
 
+log = logging.getLogger(__name__)
 TASKS = ("auto", "generate", "embed")
 MODES: dict[str, PoolingKind] = {
     "pooling_mode_lasttoken": "last",
@@ -83,10 +85,11 @@ def served_as(model: EmbeddingModel | None, sampling: SamplingParams) -> Samplin
 
 
 def embedding_model(
-    folder: Path | None, config: Any, task: str, pooling: str | None, matryoshka: bool
+    location: Path | str | None, config: Any, task: str, pooling: str | None, matryoshka: bool
 ) -> EmbeddingModel | None:
-    """The model's embedding settings, if it serves embeddings; None if it generates."""
-    found = read_sentence_transformers(folder) if folder is not None else None
+    """The model's embedding settings, if it serves embeddings; None if it generates.
+    `location`: its folder, or its hub id."""
+    found = read_sentence_transformers(location) if location is not None else None
     if task == "generate" or (task == "auto" and found is None):
         return None
     kind, normalize = found or ("last", True)
@@ -104,28 +107,60 @@ def embedding_model(
     )
 
 
-def read_sentence_transformers(folder: Path) -> tuple[PoolingKind, bool] | None:
-    """A sentence-transformers folder's pooling and whether it normalises; None for another
-    kind of folder. A pooling mode Loom does not compute is refused by name."""
-    try:
-        modules = json.loads((folder / "modules.json").read_text())
-    except FileNotFoundError:
+def read_sentence_transformers(location: Path | str) -> tuple[PoolingKind, bool] | None:
+    """A sentence-transformers model's pooling and whether it normalises; None for a model
+    that is not one. What Loom does not compute is refused by name: a pooling mode other than
+    the last token's or the mean, a pooling without the prompt's tokens, a module after the
+    pooling other than Normalize (Dense, LayerNorm: the vectors would not be the model's)."""
+    text = model_file(location, "modules.json")
+    if text is None:
         return None
-    except (OSError, ValueError) as exc:
-        raise UnsupportedModelError(f"modules.json: {exc}") from None
-    if not isinstance(modules, list):
+    modules = json_of(text, "modules.json")
+    if not isinstance(modules, list) or not all(isinstance(m, dict) for m in modules):
         raise UnsupportedModelError("modules.json: not a list of modules")
-    types = {str(m.get("type", "")).rsplit(".", 1)[-1]: m for m in modules if isinstance(m, dict)}
+    types = {str(m.get("type", "")).rsplit(".", 1)[-1]: m for m in modules}
     if "Pooling" not in types:
         return None
-    path = folder / str(types["Pooling"].get("path", "")) / "config.json"
-    try:
-        modes = json.loads(path.read_text())
-    except (OSError, ValueError) as exc:
-        raise UnsupportedModelError(f"the Pooling module's config: {exc}") from None
+    if unknown := sorted(set(types) - {"Transformer", "Pooling", "Normalize"}):
+        raise UnsupportedModelError(
+            f"modules.json: Loom computes Transformer, Pooling and Normalize modules, not "
+            f"{', '.join(unknown)}"
+        )
+    name = str(Path(str(types["Pooling"].get("path", ""))) / "config.json")
+    modes = json_of(model_file(location, name) or "{}", name)
     chosen = [mode for mode, on in modes.items() if mode.startswith("pooling_mode") and on]
     if len(chosen) != 1 or chosen[0] not in MODES:
         raise UnsupportedModelError(
             f"pooling {', '.join(chosen) or 'none'}: Loom pools by one of {', '.join(MODES)}"
         )
+    if modes.get("include_prompt", True) is not True:
+        raise UnsupportedModelError("pooling without the prompt's tokens is not supported")
     return MODES[chosen[0]], "Normalize" in types
+
+
+def json_of(text: str, name: str) -> Any:
+    try:
+        return json.loads(text)
+    except ValueError as exc:
+        raise UnsupportedModelError(f"{name}: {exc}") from None
+
+
+def model_file(location: Path | str, name: str) -> str | None:
+    """A file of a model folder, or of a hub model (as transformers fetches its own); None
+    where it has none."""
+    folder = Path(location)
+    if folder.is_dir():
+        path = folder / name
+        return path.read_text() if path.is_file() else None
+    from huggingface_hub import hf_hub_download
+    from huggingface_hub.errors import EntryNotFoundError
+
+    try:
+        return Path(hf_hub_download(str(location), name)).read_text()
+    except EntryNotFoundError:
+        return None
+    except Exception as exc:  # offline, and not in the cache: it is not known
+        log.warning(
+            "%s of %s could not be read (%s): taken as a generating model", name, location, exc
+        )
+        return None

@@ -265,6 +265,7 @@ class Costing:
 
     token_seconds: float
     step_seconds: float = 0.0
+    opening: int | None = None
 
     def consume(self, token_id: int) -> None:
         pass

@@ -130,15 +130,16 @@ class OpenAIApi:
         """What reads a `kind` request's body into what it asks of the engine."""
         max_choices = self.config.max_choices
         if kind == "chat":
-            return partial(chat_ask, max_choices=max_choices)
+            return partial(
+                chat_ask, max_choices=max_choices, reasoning=self.config.reasoning_parser
+            )
         if kind == "responses":
             return partial(responses_ask, max_choices=max_choices)
         max_ids = self.engine.loaded_core().admission.prompts.max_model_len
-        if kind == "embeddings":
-            inputs, vocab = self.config.max_embedding_inputs, self.engine.loaded_core().runner
-            return partial(
-                embeddings_ask, max_inputs=inputs, max_ids=max_ids, vocab_size=vocab.vocab_size
-            )
+        if kind == "embeddings":  # each input a place in the queue
+            inputs = min(self.config.max_embedding_inputs, self.engine.config.max_waiting_requests)
+            vocab = self.engine.loaded_core().runner.vocab_size
+            return partial(embeddings_ask, max_inputs=inputs, max_ids=max_ids, vocab_size=vocab)
         return partial(completion_ask, max_choices=max_choices, max_ids=max_ids)
 
     def framing(self, ask: Ask | EmbeddingsAsk, kind: str, request_id: str, model: str) -> Framing:

@@ -30,9 +30,9 @@ class HttpConfig:
         check=at_least(1),
     )
     max_embedding_inputs: int = setting(
-        256,
-        "most inputs one /v1/embeddings request may hold (each takes a place in the queue, "
-        "so at most --max-waiting-requests)",
+        128,
+        "most inputs one /v1/embeddings request may hold (each takes a place in the queue: "
+        "never more than --max-waiting-requests)",
         check=at_least(1),
     )
     served_model_name: str | None = setting(

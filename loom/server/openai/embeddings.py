@@ -6,13 +6,15 @@ Taken: input (a string, strings, token ids, lists of token ids; at most
 --max-embedding-inputs of them, counted before any is read), model, encoding_format (float,
 or base64: the float32 vector's little-endian bytes, the `openai` client's default),
 dimensions (a Matryoshka model's shorter vectors), user; vLLM's `normalize` (false: the raw
-pooled vector). The answer is OpenAI's list of `{"object": "embedding", "index", "embedding"}`
-with usage (prompt tokens, which are all the tokens).
+pooled vector) and `cache_salt`. The answer is OpenAI's list of `{"object": "embedding",
+"index", "embedding"}` with usage (prompt tokens, which are all the tokens). A vector that is
+not finite (a half-precision model's overflow) is a 500, never JSON's invalid NaN.
 """
 
 from __future__ import annotations
 
 import base64
+import math
 import struct
 import time
 from collections.abc import Sequence
@@ -25,7 +27,7 @@ from loom.core.prompt import Prompt
 from loom.core.request_output import RequestOutput
 from loom.core.sampling_params import SamplingParams
 from loom.core.tenancy import Tenancy
-from loom.server.openai.errors import finish_error, invalid
+from loom.server.openai.errors import HttpError, finish_error, invalid
 from loom.server.openai.fields import int_list, json_object, optional
 from loom.server.openai.json_body import Whole
 from loom.server.openai.requests import MAX_USER_CHARS
@@ -42,6 +44,7 @@ class EmbeddingsAsk:
     prompts: tuple[Prompt, ...]
     pooling: Pooling
     encoding_format: str = "float"
+    cache_salt: str = ""
     # What a generation's Ask has, as the route reads it: nothing streams, echoes or calls.
     stream: bool = False
     echo: bool = False
@@ -49,8 +52,11 @@ class EmbeddingsAsk:
     tokens_as_ids: bool = False
 
     def submissions(self, tenancy: Tenancy) -> list[EngineRequest]:
-        sampling = SamplingParams(pooling=self.pooling)
-        return [EngineRequest(prompt=p, sampling=sampling, tenancy=tenancy) for p in self.prompts]
+        sampling, salt = SamplingParams(pooling=self.pooling), self.cache_salt
+        return [
+            EngineRequest(prompt=p, sampling=sampling, cache_salt=salt, tenancy=tenancy)
+            for p in self.prompts
+        ]
 
 
 def embeddings_ask(body: Any, max_inputs: int, max_ids: int, vocab_size: int) -> EmbeddingsAsk:
@@ -74,6 +80,7 @@ def embeddings_ask(body: Any, max_inputs: int, max_ids: int, vocab_size: int) ->
         prompts=embedding_inputs(body.get("input"), max_inputs, max_ids, vocab_size),
         pooling=pooling,
         encoding_format=encoding,
+        cache_salt=optional(body, "cache_salt", str) or "",
     )
 
 
@@ -84,7 +91,8 @@ def embedding_inputs(
     empty (OpenAI's rule), at most `max_inputs` of them."""
     if isinstance(value, list) and len(value) > max_inputs and not isinstance(value[0], int):
         raise invalid(
-            f"input has {len(value)} items; the limit is {max_inputs} (--max-embedding-inputs)",
+            f"input has {len(value)} items; the limit is {max_inputs} "
+            "(--max-embedding-inputs, at most --max-waiting-requests)",
             "input",
         )
     if isinstance(value, str) and value:
@@ -136,6 +144,8 @@ class EmbeddingsFraming:
         return None, finish_error(batch[-1])
 
     def whole(self) -> dict[str, Any]:
+        if not all(math.isfinite(v) for vector in self.vectors for v in vector):
+            raise HttpError(500, "the model's hidden states overflowed: an embedding not finite")
         data = [
             {"object": "embedding", "index": i, "embedding": self.encoded(vector)}
             for i, vector in enumerate(self.vectors)

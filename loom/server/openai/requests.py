@@ -73,7 +73,8 @@ class Ask:
         ]
 
 
-def chat_ask(body: Any, max_choices: int) -> Ask:
+def chat_ask(body: Any, max_choices: int, reasoning: str | None = None) -> Ask:
+    """`reasoning`: the server's --reasoning-parser, after whose thinking a constraint binds."""
     body = json_object(body)
     messages = body.get("messages")
     if not isinstance(messages, list) or not messages:
@@ -92,7 +93,14 @@ def chat_ask(body: Any, max_choices: int) -> Ask:
         top = optional(body, "top_logprobs", int) or 0
     elif body.get("top_logprobs") is not None:
         raise invalid("top_logprobs needs logprobs set to true", "top_logprobs")
-    return ask(body, (prompt,), max_tokens, top, max_choices, echo=False, tools=tools)
+    asked = ask(body, (prompt,), max_tokens, top, max_choices, echo=False, tools=tools)
+    constraint = asked.sampling.constraint
+    if reasoning is None or constraint is None:
+        return asked
+    sampling = attrs.evolve(
+        asked.sampling, constraint=attrs.evolve(constraint, reasoning=reasoning)
+    )
+    return attrs.evolve(asked, sampling=sampling)
 
 
 def completion_ask(body: Any, max_choices: int, max_ids: int = 1 << 20) -> Ask:

@@ -61,11 +61,9 @@ class OpenAIFraming:
         self.echoes = echoes
         self.choices = [Choice() for _ in range(len(ask.prompts) * ask.n)]
         # chat's reasoning split from each choice's answer (loom/server/openai/reasoning.py);
-        # not a constrained answer's: its grammar binds from the first token, so there is no
-        # thinking to split (deepseek_r1's would take the whole answer for it)
-        split = chat and ask.sampling.constraint is None
+        # a constraint binds the answer after the thinking (loom/core/constraint.py)
         self.reasoning = (
-            [Reasoning(reasoning) for _ in self.choices] if split and reasoning else None
+            [Reasoning(reasoning) for _ in self.choices] if chat and reasoning else None
         )
         self.began: set[int] = set()  # choices whose first chunk has gone
         self.kept = 0  # log-probabilities held for a whole response

@@ -25,7 +25,10 @@ from grpclib.client import Channel
 from transformers import AutoModel
 
 from loom.core.config import SchedulerConfig
+from loom.core.speculative import SpeculativeConfig
+from loom.model.family import UnsupportedModelError
 from loom.model.loader import LoadedModel, ModelConfig
+from loom.model.pooling_config import read_sentence_transformers
 from loom.server.openai.config import HttpConfig
 from loom.smg import vllm_engine_pb2 as vllm
 from loom.smg.vllm_engine_grpc import VllmEngineStub
@@ -150,12 +153,12 @@ async def test_embeddings_usage_dimensions_and_raw_vectors(
 
 def hostile_bodies(ids: list[int]) -> Iterator[tuple[dict[str, Any], str, str]]:
     """(body, the field named, what the message says) for each refusal."""
-    yield {"input": ["x"] * 10_000}, "input", "the limit is 256"
+    yield {"input": ["x"] * 10_000}, "input", "the limit is 128"
     yield {"input": []}, "input", "non-empty"
     yield {"input": ["ok", ""]}, "input", "non-empty"
     yield {"input": [[1, 2], "mixed"]}, "input", "non-empty"
     yield {"input": "hi", "encoding_format": "int8"}, "encoding_format", "float, base64"
-    yield {"input": "hi", "dimensions": 0}, "dimensions", "at least 1"
+    yield {"input": "hi", "dimensions": 0}, "dimensions", "[1, 1048576]"
     yield {"input": "hi", "dimensions": 65}, "dimensions", "[1, 64]"
     yield {"input": "hi", "normalize": "yes"}, "normalize", "true or false"
     yield {"input": [ids[0]] * 600}, "input", "512"  # past the context
@@ -232,3 +235,45 @@ async def test_embed_on_the_vllm_protocol_gives_the_http_vector(
             await in_asyncio(vllm_embed, port, ids)
     assert refused.value.status is Status.INVALID_ARGUMENT
     assert "--task embed" in (refused.value.message or "")
+
+
+async def test_drafts_never_join_a_pooled_prompt(embedder: Path) -> None:
+    """With n-gram speculation on, a prompt whose last chunk is one token (33 tokens, 32 a
+    step) and which repeats itself (so that lookup finds drafts): the mean is the prompt's."""
+    ids = [5, 6, 7] * 11
+    ngram = SpeculativeConfig(speculative_method="ngram", prompt_lookup_min=1)
+    budget = SchedulerConfig(max_num_batched_tokens=32, speculative=ngram)
+    async with serving(load(embedder, pooling="mean"), http=HTTP, scheduler=budget) as (s, _):
+        status, _, data = await post(s.http_port or 0, "/v1/embeddings", {"input": ids})
+    assert status == 200, data
+    assert close(json.loads(data)["data"][0]["embedding"], reference(embedder, ids, mean=True))
+
+
+async def test_a_prompt_may_fill_the_context(embedder: Path) -> None:
+    """An embedding generates nothing: a prompt of the whole context (512) is served."""
+    async with serving(load(embedder), http=HTTP) as (s, _):
+        body = {"input": [[(j * 11) % 900 + 3 for j in range(n)] for n in (512, 513)]}
+        status, _, data = await post(s.http_port or 0, "/v1/embeddings", body)
+        assert status == 400, data
+        assert b"input has 513 items; the limit is 512" in data
+        body["input"] = body["input"][:1]
+        status, _, data = await post(s.http_port or 0, "/v1/embeddings", body)
+    assert status == 200, data
+
+
+def test_sentence_transformers_modules_loom_does_not_compute_are_refused(
+    embedder: Path, tmp_path: Path
+) -> None:
+    """A Dense module after the pooling, or a pooling without the prompt: refused by name,
+    never served with vectors that are not the model's."""
+    dense = [*MODULES, {"idx": 3, "name": "3", "path": "3_Dense", "type": "x.models.Dense"}]
+    (tmp_path / "modules.json").write_text(json.dumps(dense))
+    with pytest.raises(UnsupportedModelError, match="not Dense"):
+        read_sentence_transformers(tmp_path)
+    (tmp_path / "modules.json").write_text(json.dumps(MODULES))
+    (tmp_path / "1_Pooling").mkdir()
+    modes = {"pooling_mode_lasttoken": True, "include_prompt": False}
+    (tmp_path / "1_Pooling" / "config.json").write_text(json.dumps(modes))
+    with pytest.raises(UnsupportedModelError, match="without the prompt"):
+        read_sentence_transformers(tmp_path)
+    assert read_sentence_transformers(embedder) == ("last", True)

@@ -19,7 +19,7 @@ from loom.model.loader import LoadedModel
 from loom.server.openai.config import HttpConfig
 from loom.server.openai.reasoning import Reasoning
 from tests.conftest import tiny_model
-from tests.support.http_client import openai_client
+from tests.support.http_client import openai_client, post
 from tests.support.server_harness import serving
 
 ASKED = [{"role": "user", "content": "The capital of France?"}]
@@ -147,11 +147,43 @@ def test_reasoning_tokens_are_those_written_while_thinking() -> None:
     assert (thinking.tokens, thinking.reasoning, thinking.content) == (3, "a", "b")
 
 
-async def test_a_constrained_answer_is_not_split(smollm2_tokenizer: Any) -> None:
-    """Its grammar binds from the first token: with deepseek_r1's parser, the answer stays
-    the content (split, all of it would have been taken for reasoning)."""
+@pytest.mark.parametrize("parser", ["qwen3", "deepseek_r1"])
+async def test_a_constraint_binds_the_answer_after_the_thinking(
+    smollm2_tokenizer: Any, parser: str
+) -> None:
+    """With a reasoning parser, the regex `Rome` constrains the answer only: the thinking is
+    the model's own, streamed and whole ("abc", which the regex never allows), and the answer
+    after `</think>` is forced to Rome where the model would say Paris. qwen3: the first mask
+    allows `<think>` beside the regex's tokens, so the model opens its thinking; the same
+    regex on a model that answers without thinking binds from the first token."""
     loaded = scripted(smollm2_tokenizer, "<think>abc</think>Paris")
-    http = HttpConfig(http_port=0, reasoning_parser="deepseek_r1")
+    http = HttpConfig(http_port=0, reasoning_parser=parser)
+    async with serving(loaded, http=http) as (server, _):
+        client = openai_client(server.http_port or 0)
+
+        def talk() -> tuple[Any, list[Any]]:
+            settings: dict[str, Any] = {"model": "tiny-qwen3", "messages": ASKED, "temperature": 0}
+            settings["extra_body"] = {"structured_outputs": {"regex": "Rome"}}
+            whole = client.chat.completions.create(**settings)
+            chunks = list(client.chat.completions.create(stream=True, **settings))
+            return whole, chunks
+
+        with trio.fail_after(60):
+            whole, chunks = await trio.to_thread.run_sync(talk)
+    message = whole.choices[0].message
+    assert (message.model_extra["reasoning_content"], message.content) == ("abc", "Rome")
+    assert whole.choices[0].finish_reason == "stop"
+    deltas = [c.choices[0].delta for c in chunks if c.choices]
+    content = "".join(d.content or "" for d in deltas)
+    thought = "".join((d.model_extra or {}).get("reasoning_content") or "" for d in deltas)
+    assert (thought, content) == ("abc", "Rome")
+
+
+async def test_a_qwen3_answer_that_does_not_think_is_constrained_from_its_first_token(
+    smollm2_tokenizer: Any,
+) -> None:
+    loaded = scripted(smollm2_tokenizer, "Paris")
+    http = HttpConfig(http_port=0, reasoning_parser="qwen3")
     async with serving(loaded, http=http) as (server, _):
         client = openai_client(server.http_port or 0)
         with trio.fail_after(60):
@@ -160,8 +192,20 @@ async def test_a_constrained_answer_is_not_split(smollm2_tokenizer: Any) -> None
                     model="tiny-qwen3",
                     messages=ASKED,  # type: ignore[arg-type]
                     temperature=0,
-                    extra_body={"structured_outputs": {"regex": "(<think>[a-z]+</think>)?Paris"}},
+                    extra_body={"structured_outputs": {"regex": "Rome"}},
                 )
             )
-    assert answer.choices[0].message.content == "<think>abc</think>Paris"
-    assert "reasoning_content" not in (answer.choices[0].message.model_extra or {})
+    assert answer.choices[0].message.content == "Rome"  # the model's own: Paris
+    assert not (answer.choices[0].message.model_extra or {}).get("reasoning_content")
+
+
+async def test_a_constraint_after_the_thinking_needs_the_markers_as_tokens(
+    smollm2_tokenizer: Any, tiny_chat: LoadedModel
+) -> None:
+    """SmolLM2's vocabulary spells `</think>` in several tokens: refused, naming why."""
+    http = HttpConfig(http_port=0, reasoning_parser="deepseek_r1")
+    async with serving(tiny_chat, http=http) as (server, _):
+        body = {"messages": ASKED, "response_format": {"type": "json_object"}}
+        status, _, data = await post(server.http_port or 0, "/v1/chat/completions", body)
+    assert status == 400, data
+    assert b"single tokens" in data

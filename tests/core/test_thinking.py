@@ -1,0 +1,83 @@
+"""A constraint that waits for a reasoning model's thinking to end (`Request.constrain`): held
+until `</think>` (deepseek_r1), or bound with `<think>` allowed first (qwen3: taking it holds
+the constraint), or bound at once when the prompt closed the thinking; and in the scheduler,
+the tokens a step drafted past `</think>` are dropped (no mask chose them)."""
+
+from __future__ import annotations
+
+import attrs
+
+from loom.core.constraint import Thinking
+from loom.core.request import Request
+from tests.core.test_scheduler import make_scheduler
+from tests.support.factory import make_request
+
+START, END = 90, 91
+QWEN3 = Thinking(end=END, start=START, model_opens=True)
+DEEPSEEK = Thinking(end=END, start=START, model_opens=False)
+
+
+@attrs.define
+class Recording:
+    """A stand-in for the grammar (loom/model/grammar.py): the tokens it was given."""
+
+    consumed: list[int] = attrs.field(factory=list)
+    token_seconds: float = 0.0
+    step_seconds: float = 0.0
+    opening: int | None = None
+
+    def consume(self, token_id: int) -> None:
+        self.consumed.append(token_id)
+
+    def is_stopped(self) -> bool:
+        return False
+
+    def error(self) -> str:
+        return ""
+
+
+def taken(request: Request, tokens: list[int]) -> list[bool]:
+    return [request.take(t) for t in tokens]
+
+
+def test_deepseek_r1_holds_the_constraint_until_the_thinking_ends() -> None:
+    request, grammar = make_request("r"), Recording()
+    request.constrain(grammar, DEEPSEEK)
+    assert (request.matcher, request.held) == (None, grammar)
+    assert taken(request, [START, 5, 6, END, 7, 8]) == [False, False, False, True, False, False]
+    assert request.matcher is grammar
+    assert grammar.consumed == [7, 8]
+
+
+def test_qwen3_allows_think_first_and_binds_from_the_first_token_without_it() -> None:
+    thinks, grammar = make_request("t"), Recording()
+    thinks.constrain(grammar, QWEN3)
+    assert (thinks.matcher, grammar.opening) == (grammar, START)
+    assert taken(thinks, [START, 5, START, END, 7]) == [False, False, False, True, False]
+    assert (grammar.consumed, grammar.opening) == ([7], None)
+    answers, other = make_request("a"), Recording()
+    answers.constrain(other, QWEN3)
+    taken(answers, [7, START])  # <think> after the first token is the grammar's to judge
+    assert (other.consumed, other.opening) == ([7, START], None)
+
+
+def test_a_prompt_that_closed_the_thinking_binds_at_once() -> None:
+    closed = attrs.evolve(make_request("c"), prompt_token_ids=(1, START, 2, END, 3))
+    still_open = attrs.evolve(make_request("o"), prompt_token_ids=(END, 1, START, 2))
+    for request, bound in ((closed, True), (still_open, False)):
+        grammar = Recording()
+        request.constrain(grammar, DEEPSEEK)
+        assert (request.matcher is grammar) == bound
+    assert QWEN3.ended_in((END,))
+    assert not QWEN3.ended_in((1, 2))
+
+
+def test_tokens_drafted_past_the_end_of_thinking_are_dropped() -> None:
+    scheduler = make_scheduler()
+    request, grammar = make_request("d"), Recording()
+    request.constrain(grammar, DEEPSEEK)
+    scheduler.add_request(request)
+    delta, status = scheduler.take(request, [(5, None), (END, None), (6, None)], 0.0, 0.0)
+    assert delta is not None
+    assert (delta.token_ids, status, request.output_token_ids) == ((5, END), None, [5, END])
+    assert grammar.consumed == []
