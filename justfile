@@ -24,9 +24,13 @@ setup:
     # lm-eval's local-completions client, for tests/server/test_lm_eval.py: without its datasets
     # and metrics stack (pandas, pyarrow, scikit-learn), which scoring against a server never uses.
     {{python}} -m pip install -q --disable-pip-version-check --no-deps lm-eval==0.4.13
-    # nginx, for the tests of replicas behind it (tests/replicas/): from Debian, when root.
-    command -v nginx >/dev/null || [ -x /usr/sbin/nginx ] || [ "$(id -u)" != 0 ] || \
-        (apt-get update -qq && apt-get install -y -qq nginx >/dev/null)
+    # From Debian, when root: nginx, for the tests of replicas behind it (tests/replicas/), and
+    # chromium, the headless browser the web page's tests drive (tests/server/openai/).
+    missing=""; \
+    command -v nginx >/dev/null || [ -x /usr/sbin/nginx ] || missing="nginx"; \
+    command -v chromium >/dev/null || missing="$missing chromium"; \
+    [ -z "$missing" ] || [ "$(id -u)" != 0 ] || \
+        (apt-get update -qq && apt-get install -y -qq $missing >/dev/null)
 
 # Pin every dependency again, newest allowed: requirements.lock (the image) and
 # requirements-dev.lock (setup, CI). Torch is not in them: LOOM_TORCH installs it first, a CPU

@@ -8,6 +8,7 @@ gRPC front serves, through the same relay, tenants and limits.
     POST /tokenize             POST /detokenize
     GET  /health               GET  /version
     GET  /v1/loads             GET  /metrics          (for a gateway: loom/server/openai/loads.py)
+    GET  /                     GET  /stats            (the page: loom/server/openai/web.py)
 
 Headers: `Authorization: Bearer KEY` (with --api-key-file), `X-Request-Id` and
 `X-Request-Timeout` (loom/server/openai/exchange.py).
@@ -22,24 +23,31 @@ from collections.abc import Awaitable, Callable
 from functools import partial
 from typing import Any
 
-from loom.core.prompt import ChatMessage, Prompt
 from loom.core.tenancy import Tenancy
 from loom.engine.engine import Engine, EngineState
 from loom.server.boundary import BoundaryConfig
 from loom.server.bridge import TrioBridge
 from loom.server.openai.config import HttpConfig
 from loom.server.openai.embeddings import EmbeddingsAsk, EmbeddingsFraming, embeddings_ask
-from loom.server.openai.errors import HttpError, StreamEndedError, http_errors, invalid
+from loom.server.openai.errors import HttpError, StreamEndedError, http_errors
 from loom.server.openai.exchange import Exchange, reply_error
-from loom.server.openai.fields import int_list
 from loom.server.openai.loads import PROMETHEUS_TEXT, LoadReports
 from loom.server.openai.message import HttpRequest
-from loom.server.openai.requests import Ask, chat_ask, chat_message, completion_ask
+from loom.server.openai.origin_policy import OriginPolicy
+from loom.server.openai.requests import (
+    Ask,
+    chat_ask,
+    completion_ask,
+    detokenize_tokens,
+    echoes,
+    tokenize_prompt,
+)
 from loom.server.openai.responses import OpenAIFraming
 from loom.server.openai.responses_events import ResponsesFraming
 from loom.server.openai.responses_input import ResponsesAsk, renamed, responses_ask
 from loom.server.openai.tokens import TokenTexts
 from loom.server.openai.tool_framing import ToolFraming
+from loom.server.openai.web import FILES, WebPage, stats_document
 from loom.server.relay import Framing, Live, Relay
 from loom.server.tenants import HEALTH_PREFIX, Tenant, Tenants
 
@@ -74,7 +82,12 @@ class OpenAIApi:
             ("GET", "/version"): self.version,
             ("GET", "/v1/loads"): self.loads,
             ("GET", "/metrics"): self.metrics,
+            ("GET", "/stats"): self.stats,
         }
+        if config.web_ui:  # the page (loom/server/openai/web.py)
+            origins = OriginPolicy(config.http_host, config.allowed_hosts, config.allowed_origins)
+            self.page = WebPage(origins)
+            self.routes |= {("GET", path): self.page_file for path in FILES}
         self.reports = LoadReports(engine, bridge)
 
     async def __call__(self, request: HttpRequest, exchange: Exchange) -> None:
@@ -249,6 +262,19 @@ class OpenAIApi:
             body = await self.reports.loads(self.viewer(request))
         await exchange.response.reply(200, body)
 
+    async def stats(self, request: HttpRequest, exchange: Exchange) -> None:
+        """The engine's figures as the caller may see them: the page's dashboard reads them."""
+        with http_errors():
+            tenant = self.identify(request)
+            name = self.model_name()
+            stats = await self.bridge.call(self.engine.stats, None if tenant.admin else tenant.name)
+        document = stats_document(stats, name, self.engine.state.value, tenant.admin)
+        await reply_json(exchange, document)
+
+    async def page_file(self, request: HttpRequest, exchange: Exchange) -> None:
+        body, headers = self.page.file(request)
+        await exchange.response.reply(200, body, headers)
+
     async def metrics(self, request: HttpRequest, exchange: Exchange) -> None:
         with http_errors():
             body = await self.reports.metrics(self.viewer(request), self.model_name())
@@ -267,28 +293,3 @@ class OpenAIApi:
 
 async def reply_json(exchange: Exchange, value: Any) -> None:
     await exchange.response.reply(200, json.dumps(value).encode())
-
-
-def tokenize_prompt(body: Any) -> Prompt:
-    if isinstance(body, dict) and isinstance(body.get("prompt"), str):
-        return str(body["prompt"])
-    if isinstance(body, dict) and isinstance(body.get("messages"), list):
-        return [chat_message(m, i) for i, m in enumerate(body["messages"])]
-    raise invalid("tokenize takes prompt (a string) or messages", "prompt")
-
-
-def detokenize_tokens(body: Any, limit: int) -> list[int]:
-    return int_list(body.get("tokens") if isinstance(body, dict) else None, "tokens", limit)
-
-
-def echoes(tokenizer: Any, prompts: tuple[Prompt, ...]) -> list[str]:
-    """Each prompt's text, for `echo`."""
-    texts = []
-    for prompt in prompts:
-        if isinstance(prompt, str):
-            texts.append(prompt)
-        elif any(isinstance(p, ChatMessage) for p in prompt) or tokenizer is None:
-            texts.append("")
-        else:
-            texts.append(tokenizer.decode(list(prompt)))
-    return texts

@@ -60,3 +60,4 @@ class HttpConfig:
         "deepseek_r1 (thinking until `</think>`); by default none, all is content",
         choices=PARSERS,
     )
+    web_ui: bool = setting(True, "serve the web page at / (a live dashboard and a chat playground)")

@@ -211,3 +211,28 @@ def completion_prompts(prompt: Any, max_ids: int) -> tuple[Prompt, ...]:
         "non-empty lists of token ids",
         "prompt",
     )
+
+
+def tokenize_prompt(body: Any) -> Prompt:
+    if isinstance(body, dict) and isinstance(body.get("prompt"), str):
+        return str(body["prompt"])
+    if isinstance(body, dict) and isinstance(body.get("messages"), list):
+        return [chat_message(m, i) for i, m in enumerate(body["messages"])]
+    raise invalid("tokenize takes prompt (a string) or messages", "prompt")
+
+
+def detokenize_tokens(body: Any, limit: int) -> list[int]:
+    return int_list(body.get("tokens") if isinstance(body, dict) else None, "tokens", limit)
+
+
+def echoes(tokenizer: Any, prompts: tuple[Prompt, ...]) -> list[str]:
+    """Each prompt's text, for `echo`."""
+    texts = []
+    for prompt in prompts:
+        if isinstance(prompt, str):
+            texts.append(prompt)
+        elif any(isinstance(p, ChatMessage) for p in prompt) or tokenizer is None:
+            texts.append("")
+        else:
+            texts.append(tokenizer.decode(list(prompt)))
+    return texts
