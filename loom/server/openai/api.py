@@ -142,12 +142,11 @@ class OpenAIApi:
     def reading(self, kind: str) -> Callable[[Any], Ask | EmbeddingsAsk]:
         """What reads a `kind` request's body into what it asks of the engine."""
         max_choices = self.config.max_choices
+        reasoning = self.config.reasoning_parser  # a constraint binds after the thinking
         if kind == "chat":
-            return partial(
-                chat_ask, max_choices=max_choices, reasoning=self.config.reasoning_parser
-            )
+            return partial(chat_ask, max_choices=max_choices, reasoning=reasoning)
         if kind == "responses":
-            return partial(responses_ask, max_choices=max_choices)
+            return partial(responses_ask, max_choices=max_choices, reasoning=reasoning)
         max_ids = self.engine.loaded_core().admission.prompts.max_model_len
         if kind == "embeddings":  # each input a place in the queue
             inputs = min(self.config.max_embedding_inputs, self.engine.config.max_waiting_requests)
@@ -162,7 +161,10 @@ class OpenAIApi:
         tokenizer = self.tokenizer()
         tokens = TokenTexts(tokenizer, as_ids=ask.tokens_as_ids)
         if isinstance(ask, ResponsesAsk):
-            return ResponsesFraming(ask, request_id=request_id, model=model, tokens=tokens)
+            reasoning = self.config.reasoning_parser
+            return ResponsesFraming(
+                ask, request_id=request_id, model=model, tokens=tokens, reasoning=reasoning
+            )
         return (ToolFraming if ask.tools else OpenAIFraming)(
             ask,
             chat=kind == "chat",

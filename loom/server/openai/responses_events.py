@@ -11,6 +11,13 @@ the whole Response with its usage. With tools the answer is known only whole (it
 its items (a message, function calls) and their events come at the end, a call's arguments in
 one `response.function_call_arguments.delta`, then `.done`. An end that is not a finish after
 the stream began is an `error` event. Whole: the Response object alone.
+
+With `--reasoning-parser`, the thinking is an item of its own before the message (`{"type":
+"reasoning", "content": [{"type": "reasoning_text", "text"}], "summary": []}`), streamed as
+`response.output_item.added`, `response.reasoning_text.delta` as it comes,
+`response.reasoning_text.done` and `response.output_item.done`, then the message's events; the
+message's text is the answer alone, and usage counts the thinking's tokens in
+`output_tokens_details.reasoning_tokens`. Items are opened as their first text comes.
 """
 
 from __future__ import annotations
@@ -32,38 +39,60 @@ class ResponsesFraming(OpenAIFraming):
         self.settings = ask.settings
         self.id = f"resp_{request_id}"
         self.message_id = f"msg_{request_id}"
+        self.reasoning_id = f"rs_{request_id}"
         self.sequence = 0
         self.status = "in_progress"
         self.items: list[dict[str, Any]] = []  # the output, made once the answer is whole
         self.error: dict[str, Any] | None = None
+        self.thought = self.answer = ""  # the thinking and the answer, split as they come
+        self.places: dict[str, int] = {}  # a streamed item's output_index, once it is added
 
     # The relay's calls
 
     def delta(self, index: int, batch: Sequence[RequestOutput]) -> bytes | None:
-        self.choices[index].add(batch, keep=True)
-        return self.begun() + self.text_delta(batch) if self.ask.stream else None
+        events = self.begun() if self.ask.stream else b""
+        events += self.take(index, batch, last=False)
+        return events if self.ask.stream else None
 
     def final(self, index: int, batch: Sequence[RequestOutput], done: bool) -> bytes | Whole | None:
-        choice = self.choices[index]
-        choice.add(batch, keep=True)
         opening = self.begun() if self.ask.stream else b""  # in progress, before the end
-        self.status = "incomplete" if choice.finish_reason == "length" else "completed"
+        events = opening + self.take(index, batch, last=True)
+        self.status = "incomplete" if self.choices[index].finish_reason == "length" else "completed"
         self.items = self.output()
         if not self.ask.stream:
             return Whole(self.response())
-        return opening + self.text_delta(batch) + self.ended()
+        return events + self.ended()
 
     def abnormal(self, index: int, batch: Sequence[RequestOutput]) -> tuple[Any, Exception]:
         error = finish_error(batch[-1])
         if not self.ask.stream or not self.sent:
             return None, error
-        if len(batch) > 1:  # what came before the end, as chat's stream sends it
-            self.choices[index].add(batch[:-1], keep=True)
-        events = self.text_delta(batch[:-1])
+        events = self.take(index, batch[:-1], last=True)  # what came before, as chat sends it
         events += self.event("error", code=error.code, message=error.message, param=error.param)
         self.status, self.error = "failed", {"code": error.code, "message": error.message}
         events += self.event("response.failed", response=self.response())
         return events, StreamEndedError(error)
+
+    def take(self, index: int, batch: Sequence[RequestOutput], last: bool) -> bytes:
+        """A batch's text, split into thinking and answer; streamed: their events."""
+        self.choices[index].add(batch, keep=True)
+        said = self.said(index, batch, last)
+        thought, answer = said.get("reasoning_content", ""), said.get("content", "")
+        self.thought, self.answer = self.thought + thought, self.answer + answer
+        if not self.ask.stream or self.ask.tools is not None:
+            return b""  # with tools, every item comes at the end
+        events = b""
+        if thought:
+            events += self.open_item("reasoning")
+            at = {"item_id": self.reasoning_id, "output_index": self.places["reasoning"]}
+            events += self.event(
+                "response.reasoning_text.delta", **at, content_index=0, delta=thought
+            )
+        if answer:
+            events += self.open_item("message")
+            at = self.text_place(self.places["message"])
+            events += self.event("response.output_text.delta", **at, delta=answer, logprobs=[])
+        return events
 
     # Events
 
@@ -79,25 +108,41 @@ class ResponsesFraming(OpenAIFraming):
             return b""
         self.sent = True
         events = self.event("response.created", response=self.response())
-        events += self.event("response.in_progress", response=self.response())
-        if self.ask.tools is None:  # the text streams as it comes
-            message = self.message("")
-            events += self.opened(0, {**message, **self.unfinished(message)})
-        return events
+        return events + self.event("response.in_progress", response=self.response())
 
-    def text_delta(self, batch: Sequence[RequestOutput]) -> bytes:
-        text = "".join(o.text for o in batch)
-        if self.ask.tools is not None or not text:
+    def open_item(self, kind: str) -> bytes:
+        """A streamed item's added events, once, as its first text comes (the message's: once
+        the reasoning, if any, has closed)."""
+        if kind in self.places:
             return b""
-        at = self.text_place(0)
-        return self.event("response.output_text.delta", **at, delta=text, logprobs=[])
+        events = self.close_reasoning() if kind == "message" else b""
+        self.places[kind] = len(self.places)
+        item = self.reasoning_item("") if kind == "reasoning" else self.message("")
+        return events + self.opened(self.places[kind], {**item, **self.unfinished(item)})
+
+    def close_reasoning(self) -> bytes:
+        if "reasoning" not in self.places or "message" in self.places:
+            return b""
+        at, item = self.places["reasoning"], self.reasoning_item(self.thought, "completed")
+        events = self.event(
+            "response.reasoning_text.done",
+            item_id=self.reasoning_id, output_index=at, content_index=0, text=self.thought,
+        )  # fmt: skip
+        return events + self.event("response.output_item.done", output_index=at, item=item)
 
     def ended(self) -> bytes:
         """The items' closing events (with tools, all of each item's), then the Response."""
-        events = b""
+        events = b"" if self.ask.tools is not None else self.open_item("message")
         for index, item in enumerate(self.items):
             if self.ask.tools is not None:
                 events += self.opened(index, {**item, **self.unfinished(item)})
+            if item["type"] == "reasoning":  # (streamed, it closed as the message opened)
+                at = {"item_id": self.reasoning_id, "output_index": index, "content_index": 0}
+                if self.ask.tools is not None:
+                    events += self.event("response.reasoning_text.delta", **at, delta=self.thought)
+                    events += self.event("response.reasoning_text.done", **at, text=self.thought)
+                    events += self.event("response.output_item.done", output_index=index, item=item)
+                continue
             if item["type"] == "message":
                 at, part = self.text_place(index), item["content"][0]
                 if self.ask.tools is not None:
@@ -132,17 +177,20 @@ class ResponsesFraming(OpenAIFraming):
 
     def unfinished(self, item: dict[str, Any]) -> dict[str, Any]:
         """What an item is as it is added: in progress, empty."""
-        empty: dict[str, Any] = {"content": []} if item["type"] == "message" else {"arguments": ""}
+        empty: dict[str, Any] = {"content": []}
+        if item["type"] == "function_call":
+            empty = {"arguments": ""}
         return {"status": "in_progress", **empty}
 
     # The Response
 
     def output(self) -> list[dict[str, Any]]:
-        text = "".join(self.choices[0].text)
+        text = self.answer if self.reasoning is not None else "".join(self.choices[0].text)
+        thinking = [self.reasoning_item(self.thought, self.status)] if self.thought else []
         if self.ask.tools is None:
-            return [self.message(text)]
+            return [*thinking, self.message(text)]
         content, calls = self.ask.tools.calls(text)
-        items = [self.message(content)] if content else []
+        items = [*thinking, *([self.message(content)] if content else [])]
         for call in calls:
             function = call["function"]
             items.append({
@@ -157,6 +205,12 @@ class ResponsesFraming(OpenAIFraming):
         return {
             "type": "message", "id": self.message_id, "status": self.status, "role": "assistant",
             "content": [part],
+        }  # fmt: skip
+
+    def reasoning_item(self, text: str, status: str = "in_progress") -> dict[str, Any]:
+        return {
+            "type": "reasoning", "id": self.reasoning_id, "status": status, "summary": [],
+            "content": [{"type": "reasoning_text", "text": text}],
         }  # fmt: skip
 
     def response(self) -> dict[str, Any]:
@@ -177,6 +231,8 @@ class ResponsesFraming(OpenAIFraming):
             "input_tokens": usage["prompt_tokens"],
             "input_tokens_details": usage["prompt_tokens_details"],
             "output_tokens": usage["completion_tokens"],
-            "output_tokens_details": {"reasoning_tokens": 0},
+            "output_tokens_details": usage.get(
+                "completion_tokens_details", {"reasoning_tokens": 0}
+            ),
             "total_tokens": usage["total_tokens"],
         }

@@ -57,7 +57,7 @@ class ResponsesAsk(Ask):
     settings: dict[str, Any]
 
 
-def responses_ask(body: Any, max_choices: int) -> ResponsesAsk:
+def responses_ask(body: Any, max_choices: int, reasoning: str | None = None) -> ResponsesAsk:
     body = json_object(body)
     for field, stateless in STATEFUL.items():
         if body.get(field) not in stateless:
@@ -75,7 +75,7 @@ def responses_ask(body: Any, max_choices: int) -> ResponsesAsk:
     chat["tools"] = [tool_of(t, i) for i, t in enumerate(listed(body.get("tools"), "tools"))]
     chat["tool_choice"] = tool_choice_of(body.get("tool_choice"))
     try:
-        ask = chat_ask(chat, max_choices=1)
+        ask = chat_ask(chat, max_choices=1, reasoning=reasoning)
     except (HttpError, InvalidRequestError) as exc:  # named as the Responses API names it
         raise renamed(exc if isinstance(exc, HttpError) else invalid(str(exc))) from None
     metadata = metadata_of(body.get("metadata"))

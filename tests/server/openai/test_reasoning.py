@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import copy
 import itertools
+import json
 from typing import Any
 
 import pytest
@@ -209,3 +210,55 @@ async def test_a_constraint_after_the_thinking_needs_the_markers_as_tokens(
         status, _, data = await post(server.http_port or 0, "/v1/chat/completions", body)
     assert status == 400, data
     assert b"single tokens" in data
+
+
+def collapsed(kinds: list[str]) -> list[str]:
+    return [k for i, k in enumerate(kinds) if i == 0 or k != kinds[i - 1]]
+
+
+@pytest.mark.parametrize("parser", ["qwen3", "deepseek_r1"])
+async def test_responses_give_the_thinking_as_a_reasoning_item(
+    smollm2_tokenizer: Any, parser: str
+) -> None:
+    """/v1/responses: the thinking is a reasoning item before the message, streamed as its
+    own events; the message is the answer alone; a JSON schema binds the answer only."""
+    loaded = scripted(smollm2_tokenizer, "<think>abc</think>Paris")
+    http = HttpConfig(http_port=0, reasoning_parser=parser)
+    async with serving(loaded, http=http) as (server, _):
+        client = openai_client(server.http_port or 0)
+
+        def talk() -> tuple[Any, list[Any], Any]:
+            asked: dict[str, Any] = {"model": "tiny-qwen3", "input": ASKED[0]["content"]}
+            whole = client.responses.create(temperature=0, **asked)
+            events = list(client.responses.create(temperature=0, stream=True, **asked))
+            schema = {"type": "object", "properties": {"city": {"enum": ["Paris", "Rome"]}}}
+            schema |= {"required": ["city"], "additionalProperties": False}
+            text = {"format": {"type": "json_schema", "name": "city", "schema": schema}}
+            shaped = client.responses.create(
+                temperature=0,
+                max_output_tokens=30,
+                text=text,
+                **asked,  # type: ignore[arg-type]
+            )
+            return whole, events, shaped
+
+        with trio.fail_after(60):
+            whole, events, shaped = await trio.to_thread.run_sync(talk)
+    thinking, message = whole.output
+    assert (thinking.type, thinking.content[0].text) == ("reasoning", "abc")
+    assert (message.type, whole.output_text) == ("message", "Paris")
+    assert whole.usage.output_tokens_details.reasoning_tokens == 3
+    assert collapsed([e.type for e in events]) == [
+        "response.created", "response.in_progress",
+        "response.output_item.added", "response.reasoning_text.delta",
+        "response.reasoning_text.done", "response.output_item.done",
+        "response.output_item.added", "response.content_part.added",
+        "response.output_text.delta", "response.output_text.done",
+        "response.content_part.done", "response.output_item.done", "response.completed",
+    ]  # fmt: skip
+    said = [e.delta for e in events if e.type == "response.reasoning_text.delta"]
+    answered = [e.delta for e in events if e.type == "response.output_text.delta"]
+    assert ("".join(said), "".join(answered)) == ("abc", "Paris")
+    assert [e.output_index for e in events if e.type == "response.output_item.added"] == [0, 1]
+    assert shaped.output[0].content[0].text == "abc"
+    assert json.loads(shaped.output_text)["city"] in ("Paris", "Rome")
