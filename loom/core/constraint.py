@@ -81,13 +81,14 @@ class Thinking:
     start: int | None
     model_opens: bool
 
-    def ended_in(self, prompt: tuple[int, ...]) -> bool:
-        """Whether the prompt has closed the thinking already (a template with thinking off):
-        the last marker in it is the end, vLLM's rule."""
+    def last_marker(self, prompt: tuple[int, ...]) -> int | None:
+        """The prompt's last marker: `end`, the template has closed the thinking (thinking
+        off: the constraint binds at once, vLLM's rule); `start`, it has opened it (the model
+        thinks first, whoever usually opens it); None for neither."""
         for token_id in reversed(prompt):
             if token_id == self.end or token_id == self.start:
-                return token_id == self.end
-        return False
+                return token_id
+        return None
 
 
 class Matcher(Protocol):

@@ -174,15 +174,17 @@ class Request:
 
     def constrain(self, matcher: Matcher, thinking: Thinking | None = None) -> None:
         """Bind the constraint's matcher: from the first token, or (`thinking`, unless the
-        prompt has closed it) once the thinking ends: deepseek_r1's from the first token on,
-        qwen3's if the answer opens with `<think>` (its first mask allows that token too)."""
-        if thinking is None or thinking.ended_in(self.prompt_token_ids):
+        prompt has closed it) once the thinking ends: deepseek_r1's, or one the prompt opened,
+        from the first token on; qwen3's if the answer opens with `<think>` (its first mask
+        allows that token too)."""
+        last = thinking.last_marker(self.prompt_token_ids) if thinking is not None else None
+        if thinking is None or last == thinking.end:
             self.matcher = matcher
             return
         self.thinking = thinking
-        if thinking.model_opens:
+        if thinking.model_opens and last is None:
             self.matcher, matcher.opening = matcher, thinking.start
-        else:
+        else:  # the template opens the thinking, or has opened it
             self.held = matcher
 
     def take(self, token_id: int) -> bool:

@@ -16,10 +16,8 @@ its progress forgotten (it recomputes prompt + output later) and it goes back to
 queue. Victims: paused requests first (the longest paused first), then (fair) the most served
 tenant's, the lowest priority, the latest admitted. Waiting requests are admitted only in
 steps that preempted nothing; a preempted one resumes once blocks for all its tokens are free.
-Constrained rows past the step's mask budget wait a step (loom/core/mask_budget.py).
-
-The `scheduling_policy` (loom/core/policy.py: fair, priority, fcfs) orders admission and
-picks the victims.
+Constrained rows past the step's mask budget wait a step (loom/core/mask_budget.py). The
+`scheduling_policy` (loom/core/policy.py: fair, priority, fcfs) orders admission, picks victims.
 
 With prefix caching, a waiting request first takes the cached blocks that hold the longest run
 of its full blocks (whole blocks only, never its last token: a step must compute at least one
@@ -235,8 +233,9 @@ class Scheduler:
             if request.deadline is not None and now >= request.deadline:
                 tokens = []  # too late: dropped; `expired` finishes it as DEADLINE next
             delta, status = self.take(request, tokens, now, rate)
-            # A token stop inside the accepted drafts leaves K/V computed past the output.
-            request.num_computed_tokens = min(request.num_computed_tokens, request.num_tokens)
+            # K/V computed past a stop, or past </think> (the next mask needs its last token):
+            ends = request.num_tokens - (delta is not None and status is None)
+            request.num_computed_tokens = min(request.num_computed_tokens, ends)
             done = request.num_computed_tokens - request.draft_lag  # the draft model's K/V too
             cache_full_blocks(self.block_manager, request, seq.computed_from, done)
             self.block_manager.slide(request.request_id, done)

@@ -9,8 +9,9 @@ import attrs
 
 from loom.core.constraint import Thinking
 from loom.core.request import Request
+from loom.core.speculative import SpeculativeConfig
 from tests.core.test_scheduler import make_scheduler
-from tests.support.factory import make_request
+from tests.support.factory import make_request, sampled, speculated
 
 START, END = 90, 91
 QWEN3 = Thinking(end=END, start=START, model_opens=True)
@@ -61,15 +62,17 @@ def test_qwen3_allows_think_first_and_binds_from_the_first_token_without_it() ->
     assert (other.consumed, other.opening) == ([7, START], None)
 
 
-def test_a_prompt_that_closed_the_thinking_binds_at_once() -> None:
-    closed = attrs.evolve(make_request("c"), prompt_token_ids=(1, START, 2, END, 3))
-    still_open = attrs.evolve(make_request("o"), prompt_token_ids=(END, 1, START, 2))
-    for request, bound in ((closed, True), (still_open, False)):
-        grammar = Recording()
-        request.constrain(grammar, DEEPSEEK)
-        assert (request.matcher is grammar) == bound
-    assert QWEN3.ended_in((END,))
-    assert not QWEN3.ended_in((1, 2))
+def test_a_prompt_that_closed_the_thinking_binds_at_once_one_that_opened_it_holds() -> None:
+    """The prompt's last marker decides: `</think>` (thinking off) binds the constraint at
+    once; `<think>` (a template that opens the thinking: QwQ's, Qwen3's Thinking-2507) holds
+    it, even for qwen3's parser."""
+    closed, opened = (1, START, 2, END, 3), (END, 1, START, 2)
+    for thinking in (QWEN3, DEEPSEEK):
+        for prompt, bound in ((closed, True), (opened, False)):
+            request, grammar = attrs.evolve(make_request("p"), prompt_token_ids=prompt), Recording()
+            request.constrain(grammar, thinking)
+            assert (request.matcher is grammar, request.held is grammar) == (bound, not bound)
+    assert QWEN3.last_marker((1, 2)) is None
 
 
 def test_tokens_drafted_past_the_end_of_thinking_are_dropped() -> None:
@@ -81,3 +84,33 @@ def test_tokens_drafted_past_the_end_of_thinking_are_dropped() -> None:
     assert delta is not None
     assert (delta.token_ids, status, request.output_token_ids) == ((5, END), None, [5, END])
     assert grammar.consumed == []
+
+
+def test_a_step_cut_at_the_end_of_thinking_computes_its_last_token_again() -> None:
+    """`</think>` accepted as a draft with more drafts after it: those are dropped, and the
+    next step computes `</think>` again (its logits are the grammar's first row), never a
+    step with no token to compute (that sampled another row's state, or crashed)."""
+    ngram = SpeculativeConfig(
+        speculative_method="ngram", num_speculative_tokens=3, prompt_lookup_min=1,
+        prompt_lookup_max=2,
+    )  # fmt: skip
+    scheduler = make_scheduler(speculative=ngram)
+    request, grammar = make_request("s"), Recording()
+    request = attrs.evolve(request, prompt_token_ids=(5, 1, 2, END, 7, START, 1))
+    request.constrain(grammar, DEEPSEEK)
+    scheduler.add_request(request)
+    first = scheduler.schedule(now=0.0)
+    assert first is not None
+    scheduler.update(first, sampled(first, token_id=2), now=0.0)
+    drafted = scheduler.schedule(now=0.0)
+    assert drafted is not None
+    assert drafted.sequences[0].draft_token_ids == (END, 7, START)
+    scheduler.update(drafted, speculated(drafted, num_accepted=3, bonus=9), now=0.0)
+    assert request.output_token_ids == [2, END]
+    following = scheduler.schedule(now=0.0)
+    assert following is not None
+    (seq,) = following.sequences
+    assert (seq.token_ids[0], seq.num_computed_tokens) == (END, 8)  # prompt 7, then 2
+    assert seq.sampling is not None  # (with drafts again: the grammar's masks verify them)
+    assert seq.token_ids[1:] == seq.draft_token_ids
+    assert request.matcher is grammar

@@ -233,7 +233,7 @@ def watch_submissions(monkeypatch: pytest.MonkeyPatch, submitting: threading.Eve
     bridge_call = TrioBridge.call
 
     async def call(bridge: TrioBridge, fn: Any, *args: Any, **kwargs: Any) -> Any:
-        if getattr(fn, "__name__", None) == "submit_until":
+        if getattr(fn, "__name__", None) == "submit_all":
             submitting.set()
         return await bridge_call(bridge, fn, *args, **kwargs)
 

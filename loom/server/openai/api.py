@@ -47,7 +47,7 @@ from loom.server.openai.responses_events import ResponsesFraming
 from loom.server.openai.responses_input import ResponsesAsk, renamed, responses_ask
 from loom.server.openai.tokens import TokenTexts
 from loom.server.openai.tool_framing import ToolFraming
-from loom.server.openai.web import FILES, WebPage, stats_document
+from loom.server.openai.web import FILES, NOT_STORED, WebPage, stats_document
 from loom.server.relay import Framing, Live, Relay
 from loom.server.tenants import HEALTH_PREFIX, Tenant, Tenants
 
@@ -271,7 +271,7 @@ class OpenAIApi:
             name = self.model_name()
             stats = await self.bridge.call(self.engine.stats, None if tenant.admin else tenant.name)
         document = stats_document(stats, name, self.engine.state.value, tenant.admin)
-        await reply_json(exchange, document)
+        await exchange.response.reply(200, json.dumps(document).encode(), NOT_STORED)
 
     async def page_file(self, request: HttpRequest, exchange: Exchange) -> None:
         body, headers = self.page.file(request)

@@ -35,6 +35,7 @@ POLICY = (
     "default-src 'none'; script-src 'self'; style-src 'self'; connect-src 'self'; "
     "img-src 'self' data:; base-uri 'none'; form-action 'none'; frame-ancestors 'none'"
 )
+NOT_STORED = {"Cache-Control": "no-store"}  # /stats: figures of the moment, and a tenant's
 GUARDS = {
     "Content-Security-Policy": POLICY,
     "X-Content-Type-Options": "nosniff",

@@ -46,7 +46,7 @@ function number(value, digits = 0) {
 
 function show(stats) {
   $("state").textContent = stats.state;
-  $("viewer").textContent = stats.admin ? "every tenant" : "your tenant";
+  $("viewer").textContent = stats.admin ? "every tenant's" : "your tenant's";
   $("running").textContent = number(stats.num_running);
   $("waiting").textContent = number(stats.num_waiting);
   $("paused").textContent = number(stats.num_paused);
@@ -75,7 +75,7 @@ function show(stats) {
   }
 }
 
-async function poll() {
+async function refresh() {
   try {
     show(await (await call("/stats")).json());
     if (!state.needKey) notice("");
@@ -87,6 +87,13 @@ async function poll() {
   } catch (error) {
     if (!state.needKey) notice(`The server did not answer: ${error.message}`);
   }
+}
+
+async function poll() {
+  // One request at a time, a second after the last answer; none while the tab is hidden or
+  // a key is wanted (typing one polls again).
+  if (!document.hidden && !state.needKey) await refresh();
+  setTimeout(poll, 1000);
 }
 
 // The playground
@@ -190,7 +197,7 @@ function useKey(event) {
   $("key").value = "";
   state.needKey = false;
   notice("");
-  poll();
+  refresh();
 }
 
 $("tab-dashboard").addEventListener("click", () => tab("dashboard"));
@@ -203,4 +210,3 @@ $("clear").addEventListener("click", () => {
   $("conversation").replaceChildren();
 });
 poll();
-setInterval(poll, 1000);

@@ -186,7 +186,7 @@ async def test_with_keys_the_page_works_only_once_the_key_is_typed(
     assert seen["refused_chat"] == "an API key is needed"
     assert seen["answered"]
     assert seen["answered"] != "an API key is needed"
-    assert seen["viewer"] == "your tenant"
+    assert seen["viewer"] == "your tenant's"
     assert seen["tenants"].split("\t")[0] == "b"  # its own row alone
     assert (seen["kept"], seen["stored"]) == ("key-of-b", 0)
 
