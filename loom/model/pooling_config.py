@@ -73,13 +73,13 @@ def served_as(model: EmbeddingModel | None, sampling: SamplingParams) -> Samplin
     if model is None:
         if sampling.pooling is not None:
             raise InvalidRequestError(
-                "embeddings are not served: this model generates (start the server with "
-                "--task embed to serve it as an embedding model)"
+                "model: this model generates, and serves no embeddings (start the server "
+                "with --task embed to serve it as an embedding model)"
             )
         return sampling
     if sampling.pooling is None:
         raise InvalidRequestError(
-            "this server serves embeddings only (--task embed): use /v1/embeddings"
+            "model: this server serves embeddings only (--task embed): use /v1/embeddings"
         )
     return attrs.evolve(sampling, pooling=model.served(sampling.pooling))
 

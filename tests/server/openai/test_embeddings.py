@@ -183,10 +183,12 @@ async def test_embedding_refusals_name_the_field_and_limit(
         status, _, data = await post(port, "/v1/chat/completions", chat)
         assert status == 400, data
         assert b"embeddings only" in data
+        assert json.loads(data)["error"]["param"] == "model"
     async with serving(load(embedder, task="generate"), http=HTTP) as (s, _):
         status, _, data = await post(s.http_port or 0, "/v1/embeddings", {"input": "hi"})
         assert status == 400, data
         assert b"--task embed" in data
+        assert json.loads(data)["error"]["param"] == "model"
 
 
 async def test_any_model_embeds_with_task_embed(tiny_folder: Path, smollm2_tokenizer: Any) -> None:
