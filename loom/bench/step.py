@@ -12,7 +12,8 @@ a parallel region of its own rather than the layers in one, all timed in turn: t
 are the dispatch and the regions' starts saved. With `--drafts K`, "verify" is the step of
 speculative decoding: each sequence computes its token and K draft tokens and samples at all
 K + 1 positions, timed in turn with the others. A prefill step of `--prefill` prompts of
-`--prompt-len` tokens is timed whole. Figures are medians of `--repeats`.
+`--prompt-len` tokens is timed whole. Figures are medians of `--repeats`, each the wall time
+with the GPU's work done (on CUDA the device is synchronised around each call).
 """
 
 from __future__ import annotations
@@ -213,17 +214,25 @@ def alternating_ms(fns: dict[str, Callable[[], object]], repeats: int) -> dict[s
     times: dict[str, list[float]] = {name: [] for name in fns}
     for _ in range(repeats + 1):  # the first round warms up
         for name, fn in fns.items():
-            start = time.perf_counter()
-            fn()
-            times[name].append((time.perf_counter() - start) * 1000)
+            times[name].append(wall_ms(fn))
     return {name: statistics.median(t[1:]) for name, t in times.items()}
 
 
 def median_ms(fn: Callable[[], object], repeats: int) -> float:
     fn()  # warm-up
-    times = []
-    for _ in range(repeats):
-        start = time.perf_counter()
-        fn()
-        times.append((time.perf_counter() - start) * 1000)
-    return statistics.median(times)
+    return statistics.median(wall_ms(fn) for _ in range(repeats))
+
+
+def wall_ms(fn: Callable[[], object]) -> float:
+    """`fn`'s wall time in ms, its GPU work done: on CUDA a step returns once its kernels are
+    launched, so the device is synchronised before and after (a no-op where CUDA is unused)."""
+    synchronize()
+    start = time.perf_counter()
+    fn()
+    synchronize()
+    return (time.perf_counter() - start) * 1000
+
+
+def synchronize() -> None:
+    if torch.cuda.is_initialized():  # type: ignore[no-untyped-call]
+        torch.cuda.synchronize()
