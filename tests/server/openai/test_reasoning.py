@@ -49,34 +49,44 @@ def scripted(smollm2_tokenizer: Any, script: str) -> LoadedModel:
     return loaded
 
 
-@pytest.mark.parametrize("parser", ["qwen3", "deepseek_r1"])
-async def test_reasoning_goes_to_reasoning_content_streamed_and_whole(
-    smollm2_tokenizer: Any, parser: str
-) -> None:
-    loaded = scripted(smollm2_tokenizer, "<think>abc</think>Paris")
+async def asked_twice(tokenizer: Any, parser: str, **settings: Any) -> tuple[Any, list[Any]]:
+    """The scripted model's chat answer under `parser`, whole, then streamed (with usage)."""
+    loaded = scripted(tokenizer, "<think>abc</think>Paris")
     http = HttpConfig(http_port=0, reasoning_parser=parser)
+    settings |= {"model": "tiny-qwen3", "messages": ASKED, "temperature": 0}
     async with serving(loaded, http=http) as (server, _):
         client = openai_client(server.http_port or 0)
 
         def talk() -> tuple[Any, list[Any]]:
-            settings: dict[str, Any] = {"model": "tiny-qwen3", "messages": ASKED, "temperature": 0}
-            whole = client.chat.completions.create(max_tokens=20, **settings)
-            chunks = list(client.chat.completions.create(
-                stream=True, stream_options={"include_usage": True}, **settings
-            ))  # fmt: skip
+            whole = client.chat.completions.create(**settings)
+            usage = {"include_usage": True}
+            chunks = list(
+                client.chat.completions.create(stream=True, stream_options=usage, **settings)
+            )
             return whole, chunks
 
         with trio.fail_after(60):
-            whole, chunks = await trio.to_thread.run_sync(talk)
+            return await trio.to_thread.run_sync(talk)
+
+
+def streamed(chunks: list[Any]) -> tuple[str, str]:
+    """A stream's reasoning_content and content, each joined."""
+    deltas = [c.choices[0].delta for c in chunks if c.choices]
+    thought = "".join((d.model_extra or {}).get("reasoning_content") or "" for d in deltas)
+    return thought, "".join(d.content or "" for d in deltas)
+
+
+@pytest.mark.parametrize("parser", ["qwen3", "deepseek_r1"])
+async def test_reasoning_goes_to_reasoning_content_streamed_and_whole(
+    smollm2_tokenizer: Any, parser: str
+) -> None:
+    whole, chunks = await asked_twice(smollm2_tokenizer, parser, max_tokens=20)
     message = whole.choices[0].message
     assert message.content == "Paris"
     assert message.model_extra["reasoning_content"] == "abc"
     assert whole.usage.completion_tokens == 5  # <think> abc </think> Paris <|im_end|>
     assert whole.usage.completion_tokens_details.reasoning_tokens == 3
-    deltas = [c.choices[0].delta for c in chunks if c.choices]
-    content = "".join(d.content or "" for d in deltas)
-    thought = "".join((d.model_extra or {}).get("reasoning_content") or "" for d in deltas)
-    assert (thought, content) == ("abc", "Paris")
+    assert streamed(chunks) == ("abc", "Paris")
     assert chunks[-1].usage.completion_tokens_details.reasoning_tokens == 3
 
 
@@ -157,27 +167,12 @@ async def test_a_constraint_binds_the_answer_after_the_thinking(
     after `</think>` is forced to Rome where the model would say Paris. qwen3: the first mask
     allows `<think>` beside the regex's tokens, so the model opens its thinking; the same
     regex on a model that answers without thinking binds from the first token."""
-    loaded = scripted(smollm2_tokenizer, "<think>abc</think>Paris")
-    http = HttpConfig(http_port=0, reasoning_parser=parser)
-    async with serving(loaded, http=http) as (server, _):
-        client = openai_client(server.http_port or 0)
-
-        def talk() -> tuple[Any, list[Any]]:
-            settings: dict[str, Any] = {"model": "tiny-qwen3", "messages": ASKED, "temperature": 0}
-            settings["extra_body"] = {"structured_outputs": {"regex": "Rome"}}
-            whole = client.chat.completions.create(**settings)
-            chunks = list(client.chat.completions.create(stream=True, **settings))
-            return whole, chunks
-
-        with trio.fail_after(60):
-            whole, chunks = await trio.to_thread.run_sync(talk)
+    regex = {"structured_outputs": {"regex": "Rome"}}
+    whole, chunks = await asked_twice(smollm2_tokenizer, parser, extra_body=regex)
     message = whole.choices[0].message
     assert (message.model_extra["reasoning_content"], message.content) == ("abc", "Rome")
     assert whole.choices[0].finish_reason == "stop"
-    deltas = [c.choices[0].delta for c in chunks if c.choices]
-    content = "".join(d.content or "" for d in deltas)
-    thought = "".join((d.model_extra or {}).get("reasoning_content") or "" for d in deltas)
-    assert (thought, content) == ("abc", "Rome")
+    assert streamed(chunks) == ("abc", "Rome")
 
 
 async def test_a_qwen3_answer_that_does_not_think_is_constrained_from_its_first_token(
