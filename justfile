@@ -100,3 +100,20 @@ lint: setup
 # Type-check the package strictly
 typecheck: setup
     .venv/bin/mypy --strict loom
+
+# Pack what the GPU check (tools/gpu_check.sh) needs on a machine with no network into .gpu/
+# (ignored; the device tool carries it): Python 3.12 wheels of the locked packages its image
+# lacks, and SmolLM2's tokenizer and config
+gpu-pack: setup
+    #!/usr/bin/env bash
+    set -euo pipefail
+    rm -rf .gpu && mkdir -p .gpu/wheels .gpu/smollm2
+    pins=$(grep -iE '^(trio|outcome|sniffio|pytest-trio|grpclib|h2|hpack|hyperframe|h11|llguidance|gguf|protobuf)==' requirements-dev.lock)
+    {{python}} -m pip download -q --disable-pip-version-check --no-deps --only-binary=:all: \
+        --python-version 3.12 --implementation cp --platform manylinux_2_31_x86_64 \
+        --platform manylinux_2_28_x86_64 --platform manylinux_2_27_x86_64 \
+        --platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64 --platform any \
+        -d .gpu/wheels $pins
+    folder=$({{python}} -m loom.model.loader)
+    cp "$folder"/*.json "$folder"/*.jinja .gpu/smollm2/ && rm .gpu/smollm2/gguf_tensors.json
+    du -sh .gpu

@@ -5,9 +5,16 @@ Rules for every test: loopback only, port 0, a timeout on every I/O test, real c
 
 from __future__ import annotations
 
+import os
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
+
+# The Triton kernels run under Triton's interpreter where the tests run on the CPU. Set before
+# torch (which may import triton) is imported: triton decorates its own library's functions
+# for the interpreter or the compiler when it is first imported.
+if os.environ.get("LOOM_TEST_DEVICE", "cpu").startswith("cpu"):
+    os.environ.setdefault("TRITON_INTERPRET", "1")
 
 import pytest
 import torch
@@ -40,6 +47,7 @@ from loom.model.loader import (
     load_model,
     model_cache_root,
 )
+from tests.support.placement import DEVICE, DTYPE
 
 TINY_SHAPE = {
     "vocab_size": 512,
@@ -78,18 +86,20 @@ def tiny_model(
     context: int = 512,
     **config: Any,
 ) -> LoadedModel:
-    """A random-weight model; with a tokenizer, give `vocab_size=len(tokenizer)`; `config`
-    adds to or overrides the tiny shape (`attention_bias=True`, say)."""
+    """A random-weight model, on the tests' device in their dtype (tests/support/placement.py:
+    the CPU and float32 unless LOOM_TEST_DEVICE and LOOM_TEST_DTYPE say); with a tokenizer,
+    give `vocab_size=len(tokenizer)`; `config` adds to or overrides the tiny shape
+    (`attention_bias=True`, say)."""
     config_cls, model_cls = FAMILIES[family]
     torch.manual_seed(seed)
     shape = {**TINY_SHAPE, "vocab_size": vocab_size, "max_position_embeddings": context, **config}
-    model = model_cls(config_cls(**shape)).eval()
+    model = model_cls(config_cls(**shape)).eval()  # initialised on the CPU: the same weights
     return LoadedModel(
         name=f"tiny-{family}",
-        model=model,
+        model=model.to(DEVICE, DTYPE),
         tokenizer=tokenizer,
-        dtype=torch.float32,
-        device=torch.device("cpu"),
+        dtype=DTYPE,
+        device=DEVICE,
     )
 
 
@@ -101,7 +111,7 @@ def tiny(request: pytest.FixtureRequest) -> LoadedModel:
 @pytest.fixture(scope="session")
 def smollm2() -> LoadedModel:
     """The real default model, converted once into the user's model cache."""
-    return load_model(None, dtype=torch.float32, device=torch.device("cpu"))
+    return load_model(None, dtype=DTYPE, device=DEVICE)
 
 
 @pytest.fixture

@@ -12,8 +12,7 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
-import torch
-
+from loom.bench.baseline import baseline_placement
 from loom.bench.llama_cpp import add_llama_arguments, check_llama_flags, llama_server
 from loom.bench.measure import Target, measure, measure_caching_off, report
 from loom.bench.metrics import Objectives
@@ -197,7 +196,8 @@ def run(args: argparse.Namespace) -> int:
         if args.text_prompts and loaded.tokenizer is None:
             raise ValueError("--text-prompts: the sim model needs a tokenizer (tokenizer=...)")
     else:
-        loaded = load_model(args.model, dtype=torch.float32, device=torch.device("cpu"))
+        device, dtype = baseline_placement(args.baseline, args.serve_args)
+        loaded = load_model(args.model, dtype=dtype, device=device)
         pad = loaded.tokenizer.pad_token_id or loaded.tokenizer.eos_token_id or 0
     if args.tenants:
         return run_tenants_of(args, loaded, concurrencies[0])

@@ -1,15 +1,18 @@
 """Paged attention: the attention that reads K/V through a step's metadata
 (loom/model/attention_metadata.py, which says how the keys are grouped and read).
 
-Decode groups on CPU in float32 skip the gather: Loom's kernel (loom/model/kernels/step.cpp)
-reads each key and value in place through the block table, from a float32 or float16 pool, one
-task per sequence and KV head (per query head when there are few sequences). Elsewhere (GPU,
-other dtypes, head sizes other than 16, 32, 64 or 128, no compiler) every group takes the
-gather and SDPA.
+Decode groups skip the gather where a kernel reads each key and value in place through the
+block table: on CPU in float32, Loom's kernel (loom/model/kernels/step.cpp), from a float32 or
+float16 pool, one task per sequence and KV head (per query head when there are few sequences);
+on CUDA, the Triton kernel (loom/model/triton_decode.py), any float dtype, split over the keys
+when there are too few rows to fill the GPU. Elsewhere (other CPU dtypes, head sizes other
+than 16, 32, 64 or 128, no compiler, no Triton) every group takes the gather and SDPA.
 """
 
 from __future__ import annotations
 
+import functools
+import importlib.util
 import logging
 
 import torch
@@ -23,6 +26,8 @@ log = logging.getLogger(__name__)
 
 def can_decode_in_place(device: torch.device, dtype: torch.dtype, head_dim: int) -> bool:
     """Whether decode attention can read the pool in place here; builds the kernels if so."""
+    if device.type == "cuda":
+        return head_dim <= 256 and importlib.util.find_spec("triton") is not None
     if device.type != "cpu" or dtype != torch.float32 or head_dim not in (16, 32, 64, 128):
         return False
     if kernels.unavailable() is not None:
@@ -42,10 +47,20 @@ def write_kv(
     value: torch.Tensor,
     slot_mapping: torch.Tensor,
 ) -> None:
-    """Store the step's new keys and values ([T, H_kv, D]) at their slots in one layer's pool."""
+    """Store the step's new keys and values ([T, H_kv, D]) at their slots in one layer's pool
+    (a float16 pool under a wider model: saturated at float16's largest, never made inf)."""
     num_kv_heads, head_dim = key.shape[1], key.shape[2]
-    k_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, slot_mapping, key.to(k_cache.dtype))
-    v_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, slot_mapping, value.to(v_cache.dtype))
+    k_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, slot_mapping, narrowed(key, k_cache))
+    v_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, slot_mapping, narrowed(value, v_cache))
+
+
+def narrowed(x: torch.Tensor, pool: torch.Tensor) -> torch.Tensor:
+    """`x` in the pool's dtype: a float16 pool's values clamped to its finite range first (a
+    bfloat16 or float32 value past 65504 would be inf, and its every score NaN)."""
+    if pool.dtype == torch.float16 and x.dtype != torch.float16:
+        top = torch.finfo(torch.float16).max
+        return x.clamp(-top, top).to(torch.float16)
+    return x.to(pool.dtype)
 
 
 def paged_attention(
@@ -131,7 +146,22 @@ def decode_in_place(
     where given (0: none)."""
     num_seqs = group.seq_lens.shape[0]
     tables = group.block_index.view(num_seqs, -1)
+    if query.is_cuda:
+        from loom.model import triton_decode
+
+        max_len = tables.shape[1] * k_cache.shape[1]  # known on the host: no sync
+        splits = triton_decode.num_splits_for(
+            num_seqs, k_cache.shape[2], max_len, multiprocessors(query.device)
+        )
+        return triton_decode.paged_decode_attention(
+            query, k_cache, v_cache, tables, group.seq_lens, scale, window, softcap, splits
+        )
     out: torch.Tensor = torch.ops.loom.paged_decode_attention(
         query, k_cache, v_cache, tables, group.seq_lens, scale, window or 0, softcap or 0.0
     )
     return out
+
+
+@functools.cache
+def multiprocessors(device: torch.device) -> int:
+    return int(torch.cuda.get_device_properties(device).multi_processor_count)

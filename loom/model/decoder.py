@@ -74,9 +74,10 @@ class DecoderModel:
         self.embed_scale = None if scale is None else torch.tensor(scale).to(self.dtype)
         self.final_norm = norm_weight(family, weights["model.norm.weight"])
         self.decode_in_place = can_decode_in_place(self.device, self.dtype, self.head_dim)
-        self.decode_in_place &= self.kv_dtype in (torch.float32, torch.float16)
+        on_cpu = self.device.type == "cpu"
+        self.decode_in_place &= self.kv_dtype in (torch.float32, torch.float16) or not on_cpu
         # Norms, rotary and the K/V write, SiLU and its product fused, where the CPU kernels run.
-        self.fused = self.decode_in_place and self.hidden_size % 8 == 0
+        self.fused = self.decode_in_place and on_cpu and self.hidden_size % 8 == 0
         self.fused &= config.intermediate_size % 8 == 0
         self.fused &= getattr(config, "shared_expert_intermediate_size", 0) % 8 == 0
         self.fused_rotary = self.fused and family.rotary_dim == family.head_dim

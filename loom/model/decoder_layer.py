@@ -14,7 +14,7 @@ import torch.nn.functional as F  # noqa: N812
 
 from loom.model.blocks import BlockLinear
 from loom.model.family import Family
-from loom.model.linear import LinearLayer, make_linear, method_for
+from loom.model.linear import Linear, LinearLayer, make_linear, method_for
 from loom.model.moe import Experts, load_experts
 
 
@@ -117,9 +117,13 @@ def embedding_of(
     """Token ids [T] -> their embeddings [T, hidden]. A tied LM head in blocks (q4: Q8_0, as the
     default model's file) is the embedding too: its rows are looked up there, and no float copy
     is kept (113 MB for SmolLM2). Lossless for a Q8_0 file's embedding; a float one is rounded
-    to Q8_0, as the head is."""
-    if isinstance(lm_head, BlockLinear) and head.data_ptr() == embed.data_ptr():
+    to Q8_0, as the head is. A tied head that keeps its float weight (a GPU's, not prepacked
+    for oneDNN) lends it to the embedding: one copy, not two."""
+    tied = head.data_ptr() == embed.data_ptr()
+    if isinstance(lm_head, BlockLinear) and tied:
         return lm_head.packed.rows
+    if isinstance(lm_head, Linear) and tied and lm_head.weight is not None:
+        return functools.partial(F.embedding, weight=lm_head.weight)  # the head's own (a GPU's)
     return functools.partial(F.embedding, weight=embed.clone())
 
 

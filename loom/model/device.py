@@ -31,6 +31,12 @@ def resolve_device(name: str) -> torch.device:
         raise ValueError(f"device must be auto, cpu or cuda[:N], got {name!r}")
     if device.type == "cuda" and not torch.cuda.is_available():
         raise ValueError(f"device {name!r} asked for, but torch sees no CUDA GPU")
+    if device.index is not None and device.type == "cuda":
+        count = torch.cuda.device_count()
+        if device.index >= count:
+            raise ValueError(
+                f"device {name!r}: torch sees {count} GPU(s), cuda:0 to cuda:{count - 1}"
+            )
     return device
 
 

@@ -12,7 +12,9 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+import torch
 
+from loom.bench.baseline import baseline_placement
 from loom.bench.metrics import Objectives, RequestTiming, percentile, summarize
 from loom.bench.serving import TEXT, make_rewrite_workload, make_workload
 from loom.cli import main
@@ -86,6 +88,20 @@ def test_bench_runs_against_a_launched_server_with_the_baseline(
             assert run[side]["output_tokens"] == 32
             assert run[side]["goodput"] > 0
         assert run["loom"]["server"]["num_total_blocks"] > 0
+
+
+def test_bench_baseline_runs_on_the_launched_server_s_device_and_dtype() -> None:
+    """transformers runs where `--serve-args` puts the server, in its dtype (auto as `loom
+    serve`'s: here the CPU in float32), so that the ratio compares one device with itself."""
+
+    def placement(serve_args: str, baseline: bool = True) -> tuple[torch.device, torch.dtype]:
+        return baseline_placement(baseline, serve_args)
+
+    auto = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    assert placement("--max-num-seqs 8")[0] == auto
+    assert placement("--device cpu --dtype bf16") == (torch.device("cpu"), torch.bfloat16)
+    assert placement("--max-num-seqs 8 --device=cpu") == (torch.device("cpu"), torch.float32)
+    assert placement("--dtype bf16", baseline=False) == (torch.device("cpu"), torch.float32)
 
 
 def test_bench_drives_the_simulated_model_with_many_streams(tmp_path: Path) -> None:

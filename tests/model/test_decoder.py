@@ -16,6 +16,7 @@ from loom.core.config import CacheConfig
 from loom.core.step import ScheduledSequence
 from loom.model import kernels
 from loom.model.attention import decode_group
+from loom.model.decoder import DecoderModel
 from loom.model.model_runner import ModelRunner
 from tests.conftest import tiny_model
 from tests.model.test_blocks import as_if_from_a_gguf
@@ -175,3 +176,17 @@ def test_blocks_q4_decode_layers_refuse_a_malformed_layer_before_any_runs(
         torch.ops.loom.llama_layers(**args)
     assert torch.equal(args["hidden"], hidden)
     assert all(map(torch.equal, pool, runner.kv_cache.k))
+
+
+def test_decoder_tied_embedding_is_the_lm_head_s_weight_not_a_copy() -> None:
+    """A tied LM head that keeps its float weight (a GPU's; float16 here, which oneDNN does not
+    prepack on the CPU) lends that very tensor to the embedding: one copy of the vocabulary's
+    rows, not two (SmolLM2's: 57 MB in bfloat16)."""
+    loaded = tiny_model("llama", tie_word_embeddings=True)
+    loaded.model.to(torch.float16)
+    model = DecoderModel(loaded.model)
+    head_weight = model.lm_head.weight  # type: ignore[attr-defined]
+    assert head_weight is not None
+    assert model.embedding.keywords["weight"] is head_weight  # type: ignore[attr-defined]
+    ids = torch.tensor([3, 1, 4])
+    assert torch.equal(model.embedding(ids), loaded.model.model.embed_tokens(ids))

@@ -23,6 +23,18 @@ def test_device_rejects_unknown_and_absent_devices() -> None:
             resolve_device("cuda")
 
 
+def test_device_refuses_a_gpu_index_past_the_last(monkeypatch: pytest.MonkeyPatch) -> None:
+    """`cuda:N` with N at or past torch's GPU count is refused by name, not left to fail at the
+    first allocation (the count is torch's; on a machine with no GPU, two are pretended)."""
+    if not torch.cuda.is_available():
+        monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+        monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)
+    count = torch.cuda.device_count()
+    assert resolve_device(f"cuda:{count - 1}").index == count - 1
+    with pytest.raises(ValueError, match=rf"'cuda:{count}': torch sees {count} GPU"):
+        resolve_device(f"cuda:{count}")
+
+
 def test_dtype_auto_is_float32_on_cpu_and_names_resolve() -> None:
     assert resolve_dtype("auto", CPU) is torch.float32
     assert resolve_dtype("bf16", CPU) is torch.bfloat16

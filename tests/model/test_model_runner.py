@@ -257,6 +257,28 @@ def test_model_runner_with_a_float16_pool_stays_close_to_float32(
     assert torch.equal(half.argmax(dim=-1), exact.argmax(dim=-1))
 
 
+@pytest.mark.parametrize("in_place", [True, False])
+def test_model_runner_float16_pool_saturates_values_past_its_range(
+    random_prompt: Prompt, in_place: bool
+) -> None:
+    """A value past float16's 65504 (keys and values of a layer scaled by 1e5, as a bfloat16 or
+    float32 model may hold) is stored as the largest float16, never inf: every logit stays
+    finite (inf in the pool made each score NaN), through the fused CPU write and the torch
+    one."""
+    loaded = tiny_model("llama")
+    attention = loaded.model.model.layers[0].self_attn
+    with torch.no_grad():
+        attention.k_proj.weight.mul_(1e5)
+        attention.v_proj.weight.mul_(1e5)
+    runner = ModelRunner(loaded, CacheConfig(num_blocks=8, block_size=16, kv_cache_dtype="fp16"))
+    runner.model.decode_in_place &= in_place
+    runner.model.fused_rotary &= in_place  # else the K/V write is torch's
+    prompt = random_prompt(20, 512)
+    scored = torch.cat([logits(runner, prompt[:19]), logits(runner, prompt, 19)])
+    assert torch.isfinite(scored).all()
+    assert float(runner.kv_cache.v[0].float().abs().max()) == torch.finfo(torch.float16).max
+
+
 def test_model_runner_kv_cache_dtype_names_are_the_dtype_names() -> None:
     """CacheConfig (loom/core, without torch) spells the dtypes out: the same names as the
     model's, so that each resolves (and a new name in one place fails here)."""

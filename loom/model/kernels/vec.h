@@ -27,7 +27,11 @@ inline __m256 load8(const at::Half* p) {
   return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
 }
 inline void store8(float* p, __m256 v) { _mm256_storeu_ps(p, v); }
+// Into float16, saturated at its largest finite value (65504): a key past it is kept as the
+// largest rather than made inf, which would turn every score it meets into NaN.
 inline void store8(at::Half* p, __m256 v) {
+  const __m256 top = _mm256_set1_ps(65504.0f);
+  v = _mm256_max_ps(_mm256_min_ps(v, top), _mm256_sub_ps(_mm256_setzero_ps(), top));
   _mm_storeu_si128(reinterpret_cast<__m128i*>(p), _mm256_cvtps_ph(v, _MM_FROUND_TO_NEAREST_INT));
 }
 

@@ -1,0 +1,1 @@
+"""Tools run by hand or by CI: the GPU device check (gpu_check.py)."""
