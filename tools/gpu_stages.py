@@ -156,9 +156,8 @@ def greedy_stage(device: torch.device, tiny: bool, out: Path) -> Result:
     result: Result = {"table": []}
     for dtype in (torch.float32, torch.bfloat16):
         model = random_model(shape, device, dtype, initializer_range=0.1)
-        runner = ModelRunner(
-            loaded_model(model, device, dtype), CacheConfig(num_blocks=256, block_size=16)
-        )
+        cache = CacheConfig(num_blocks=256, block_size=16)
+        runner = ModelRunner(loaded_model(model, device, dtype), cache, static_decode=True)
         requests = [GreedyRequest(str(i), p, max_tokens) for i, p in enumerate(prompts)]
         run_greedy(runner, BlockManager(num_blocks=256, block_size=16), requests)
         theirs = [reference_tokens(model, p, max_tokens) for p in prompts]
@@ -194,9 +193,8 @@ def sync_stage(device: torch.device, tiny: bool, out: Path) -> Result:
 
     dtype = torch.float32 if device.type == "cpu" else torch.bfloat16
     model = random_model(TINY if tiny else SMOLLM2, device, dtype)
-    runner = ModelRunner(
-        loaded_model(model, device, dtype), CacheConfig(num_blocks=256, block_size=16)
-    )
+    cache = CacheConfig(num_blocks=256, block_size=16)
+    runner = ModelRunner(loaded_model(model, device, dtype), cache, static_decode=True)
     step = scheduled(runner, 8, CONTEXT, 1)
     runner.execute_model(step)
     synchronize(device)

@@ -141,13 +141,15 @@ class DecoderModel:
         positions: torch.Tensor,
         metadata: AttentionMetadata,
         kv_cache: KVCache,
+        rotary: dict[Any, RotaryTable] | None = None,
     ) -> torch.Tensor:
         """The last layer's hidden states [T, hidden] of the step's flat tokens; their K/V are
-        written to the pool on the way."""
+        written to the pool on the way. `rotary`: the tokens' cos and sin, where looked up
+        already (the static decode step's), else computed from `positions`."""
         hidden = self.embedding(input_ids)
         if self.embed_scale is not None:
             hidden = hidden * self.embed_scale
-        tables = self.rotary_tables(hidden, positions)
+        tables = rotary if rotary is not None else self.rotary_tables(hidden, positions)
         decodes = decode_group(metadata)
         if self.decode_weights is not None and decodes is not None:  # the same kernels, in C++
             w, (cos, sin) = self.decode_weights, tables[None]

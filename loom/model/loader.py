@@ -54,6 +54,7 @@ class LoadedModel:
     draft_quantization: str | None = None  # and a draft model of the same weights, if any
     tokenizer_folder: Path | None = None  # the files the tokenizer was read from, if local
     embedding: EmbeddingModel | None = None  # how it pools, if it serves embeddings
+    enforce_eager: bool = False  # no CUDA graphs: every step runs eagerly
 
     @property
     def eos_token_ids(self) -> tuple[int, ...]:
@@ -104,6 +105,11 @@ class ModelConfig:
     matryoshka: bool = setting(
         False, "an embedding request may ask for fewer dimensions (a Matryoshka model)"
     )
+    enforce_eager: bool = setting(
+        False,
+        "run every step eagerly: no CUDA graphs (by default a GPU captures its decode steps, "
+        "one graph for each batch size of 1, 2, 4, ... 256, at start)",
+    )
 
     def __attrs_post_init__(self) -> None:
         device = resolve_device(self.device)  # a bad name fails here, not later
@@ -115,7 +121,12 @@ class ModelConfig:
         loaded = load_model(self.model, dtype=dtype, device=device, cache_dir=self.model_cache)
         config, location = loaded.model.config, loaded.tokenizer_folder or self.model
         embedding = embedding_model(location, config, self.task, self.pooling, self.matryoshka)
-        return attrs.evolve(loaded, quantization=self.quantization, embedding=embedding)
+        return attrs.evolve(
+            loaded,
+            quantization=self.quantization,
+            embedding=embedding,
+            enforce_eager=self.enforce_eager,
+        )
 
 
 def default_model_path() -> Path:

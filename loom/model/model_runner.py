@@ -35,6 +35,7 @@ from loom.model.kv_cache import KVCache
 from loom.model.linear import check_method
 from loom.model.loader import LoadedModel
 from loom.model.sampler import Masks, Sampler, token_logprobs
+from loom.model.static_decode import StaticDecode
 
 log = logging.getLogger(__name__)
 
@@ -45,7 +46,13 @@ SCORE_ROWS = 256  # logits rows at a time when scoring a prompt: 256 x 49,152 fl
 class ModelRunner:
     """Runs batched steps of a loaded model over a paged KV pool sized by `cache`."""
 
-    def __init__(self, loaded: LoadedModel, cache: CacheConfig) -> None:
+    def __init__(
+        self, loaded: LoadedModel, cache: CacheConfig, *, static_decode: bool | None = None
+    ) -> None:
+        """`static_decode`: decode steps over persistent buffers (loom/model/static_decode.py),
+        where the decode attention reads the pool in place; None: on a GPU (captured in CUDA
+        graphs, unless `loaded.enforce_eager`), not on a CPU (the C++ kernels' dynamic step is
+        as fast there); True on a CPU runs it eagerly (the tests)."""
         self.device, self.dtype = loaded.device, loaded.dtype  # the model's (the pool's may differ)
         self.block_size = cache.block_size
         kv_dtype = loaded.dtype if cache.kv_cache_dtype == "auto" else DTYPES[cache.kv_cache_dtype]
@@ -61,7 +68,25 @@ class ModelRunner:
         num_blocks = cache.num_blocks_for(
             pools * self.kv_cache_shape.bytes_per_block, partial(available_memory, self.device)
         )
-        self.kv_cache = KVCache.allocate(self.kv_cache_shape, num_blocks, self.device)
+        on_gpu = self.device.type == "cuda"
+        if static_decode is None:
+            static_decode = on_gpu and not loaded.enforce_eager
+        # Where decode attention reads the pool in place; not a mixture of experts (its routing
+        # picks rows by value: a data-dependent shape no graph can hold).
+        static_decode &= self.model.decode_in_place and self.model.layers[0].experts is None
+        # The static step's padded rows write to a scratch block past the BlockManager's.
+        self.kv_cache = KVCache.allocate(
+            self.kv_cache_shape, num_blocks + static_decode, self.device
+        )
+        self.static: StaticDecode | None = None
+        if static_decode:
+            self.static = StaticDecode(
+                self.model,
+                self.kv_cache,
+                block_size=cache.block_size,
+                scratch_block=num_blocks,
+                graphs=on_gpu and not loaded.enforce_eager,
+            )
         self.sampler = Sampler(self.model.vocab_size, self.device)
         self.drafter: Drafter | None = None
         if draft is not None:
@@ -70,7 +95,8 @@ class ModelRunner:
 
     @property
     def num_blocks(self) -> int:
-        return self.kv_cache.num_blocks
+        """The blocks the BlockManager hands out (the static step's scratch block is not)."""
+        return self.kv_cache.num_blocks - (self.static is not None)
 
     @property
     def vocab_size(self) -> int:
@@ -157,9 +183,11 @@ class ModelRunner:
         kv_cache: KVCache | None = None,
     ) -> torch.Tensor:
         """The model's (or the draft `model`'s, over its own pool) forward over the step."""
-        model, kv_cache = model or self.model, kv_cache or self.kv_cache
         for seq in sequences:
             check_scheduled(seq, self.block_size)
+        if model is None and self.static is not None and self.static.takes(sequences):
+            return self.static.run(sequences)
+        model, kv_cache = model or self.model, kv_cache or self.kv_cache
         return model.forward(
             torch.tensor([t for seq in sequences for t in seq.token_ids], device=self.device),
             positions(sequences).to(self.device),

@@ -46,7 +46,10 @@ def syncing(func: Any, args: Any, kwargs: dict[str, Any]) -> str | None:
     if func in (aten._to_copy.default, aten.copy_.default):
         source = args[1] if func is aten.copy_.default else args[0]
         target = args[0].device if func is aten.copy_.default else kwargs.get("device")
+        non_blocking = args[2] if len(args) > 2 else kwargs.get("non_blocking", False)
         if isinstance(source, torch.Tensor) and target is not None:
+            if source.is_pinned() and non_blocking:
+                return None  # asynchronous: the host goes on
             if source.device.type == "cpu" and torch.device(target).type == "cuda":
                 return "host-to-device copy"
             if source.device.type == "cuda" and torch.device(target).type == "cpu":

@@ -1,0 +1,174 @@
+"""The static decode step: a decode step of fixed shape over persistent buffers, so that a GPU
+replays it from a CUDA graph (one launch for the whole step) instead of issuing its kernels one
+by one from Python.
+
+A step of S decoding sequences runs at the bucket B >= S (1, 2, 4, ..., MAX_GRAPH_SEQS): the
+inputs are written into the first B rows of persistent buffers (token ids, positions, slot
+mapping, sequence lengths, block tables: one copy from the host), rows S..B-1 padded, and the
+step reads only those buffers. Its forward is the decoder's own (loom/model/decoder.py) with
+the in-place decode attention (loom/model/attention.py) and the rotary table looked up by
+position (computed once for every position at start: the context cap keeps the model's rotary
+tables fixed, loom/model/family.py). The host reads nothing back inside the step; the hidden
+states of the S real rows come out.
+
+Padded rows decode a token of id 0 at position 0 that attends one key, the null block's first
+(zeros), and write their K and V to the scratch slot: a block past the BlockManager's, which no
+request ever reads. So a padded row changes nothing a real row reads, and never block 0.
+
+Worked example, block_size 4, buckets 1, 2, 4. Three sequences decode: A (5 cached, table
+[7, 2]), B (0 cached, table [4]), C (9 cached, table [3, 6, 1]); the pool has 9 blocks, the
+scratch block is 9 (slot 36). Bucket 4, max_blocks 3:
+
+    input_ids      [a, b, c, 0]
+    positions      [5, 0, 9, 0]
+    slot_mapping   [2*4+1, 4*4+0, 1*4+1, 36] = [9, 16, 5, 36]
+    seq_lens       [6, 1, 10, 1]
+    block_tables   [[7, 2, 0], [4, 0, 0], [3, 6, 1], [0, 0, 0]]
+
+On a GPU each bucket is captured once at start (a warm-up on padded rows, then the capture);
+on a CPU the same step runs eagerly, which is how the tests hold it equal to the dynamic step.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+
+from loom.core.step import ScheduledSequence
+from loom.model.attention_metadata import AttentionGroup, AttentionMetadata
+from loom.model.decoder import DecoderModel, RotaryTable
+from loom.model.kv_cache import KVCache
+
+MAX_GRAPH_SEQS = 256  # the largest bucket: a step of more sequences runs dynamically
+FIELDS = 4  # input_ids, positions, slot_mapping, seq_lens: a row each in the buffers
+
+
+class StaticDecode:
+    """Decode steps of up to `max_seqs` sequences over persistent buffers; captured in CUDA
+    graphs where `graphs` (a GPU)."""
+
+    def __init__(
+        self,
+        model: DecoderModel,
+        kv_cache: KVCache,
+        *,
+        block_size: int,
+        scratch_block: int,
+        max_seqs: int = MAX_GRAPH_SEQS,
+        graphs: bool = False,
+    ) -> None:
+        self.model, self.kv_cache, self.block_size = model, kv_cache, block_size
+        self.buckets = [1 << i for i in range(max(1, max_seqs - 1).bit_length() + 1)]
+        self.scratch_slot = scratch_block * block_size
+        self.max_blocks = -(-model.max_model_len // block_size)
+        rows, device = self.buckets[-1], model.device
+        index = torch.int64 if device.type == "cpu" else torch.int32  # the CPU kernel's: int64
+        # On the host (pinned on a GPU): the fields, then a step's tables packed [rows, width].
+        size = FIELDS * rows + rows * self.max_blocks
+        self.host = torch.zeros(size, dtype=index, pin_memory=device.type == "cuda")
+        self.staged = torch.zeros(size, dtype=index, device=device)  # the host's, copied
+        self.fields = self.staged[: FIELDS * rows].view(FIELDS, rows)
+        self.block_tables = torch.zeros(rows, self.max_blocks, dtype=index, device=device)
+        self.rotary = self.rotary_table()
+        self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
+        self.outputs: dict[int, torch.Tensor] = {}
+        if graphs:
+            self.capture()
+
+    def takes(self, sequences: Sequence[ScheduledSequence]) -> bool:
+        """A step this runs: every sequence decodes one token, draws no drafts, and scores and
+        pools nothing, within the largest bucket."""
+        return len(sequences) <= self.buckets[-1] and all(
+            len(s.token_ids) == 1 and s.scoring is None and s.pooling is None for s in sequences
+        )
+
+    def bucket(self, num_seqs: int) -> int:
+        return next(b for b in self.buckets if b >= num_seqs)
+
+    def run(self, sequences: Sequence[ScheduledSequence]) -> torch.Tensor:
+        """The last layer's hidden states [S, hidden] of the step's sequences."""
+        rows = self.bucket(len(sequences))
+        self.fill(sequences, rows)
+        graph = self.graphs.get(rows)
+        if graph is None:
+            return self.forward(rows)[: len(sequences)]
+        graph.replay()
+        return self.outputs[rows][: len(sequences)]
+
+    def fill(self, sequences: Sequence[ScheduledSequence], rows: int) -> None:
+        """Write the step's inputs into the buffers' first `rows` rows (see the worked example
+        at the top), padded: built on the host, copied over in one piece (the fields, and the
+        tables packed as wide as this step's longest), and the tables spread on the device (a
+        table's entries past its sequence's blocks are never read: left as they were)."""
+        num_seqs, block_size, most = len(sequences), self.block_size, self.buckets[-1]
+        positions = [s.num_computed_tokens for s in sequences]
+        slots = [
+            s.block_table[p // block_size] * block_size + p % block_size
+            for s, p in zip(sequences, positions, strict=True)
+        ]
+        padding = rows - num_seqs
+        fields = torch.tensor(
+            [
+                [s.token_ids[0] for s in sequences] + [0] * padding,
+                positions + [0] * padding,
+                slots + [self.scratch_slot] * padding,
+                [p + 1 for p in positions] + [1] * padding,  # a padded row: the null block's key
+            ]
+        )
+        self.host[: FIELDS * most].view(FIELDS, most)[:, :rows] = fields
+        width = max((p // block_size + 1 for p in positions), default=1)
+        tables = [
+            list(s.block_table[:width]) + [0] * (width - len(s.block_table)) for s in sequences
+        ]
+        end = FIELDS * most + rows * width
+        self.host[FIELDS * most : end] = torch.tensor(tables + [[0] * width] * padding).view(-1)
+        # Asynchronous from pinned memory: the host buffer is written again only next step,
+        # after this step's sampled tokens were read back (which waits for the copy too).
+        self.staged[:end].copy_(self.host[:end], non_blocking=True)
+        self.block_tables[:rows, :width] = self.staged[FIELDS * most : end].view(rows, width)
+
+    def forward(self, rows: int) -> torch.Tensor:
+        """The model's forward over the buffers' first `rows` rows: reads the buffers alone."""
+        ids, positions, slots, lens = self.fields[:, :rows].long().unbind(0)
+        tables = self.block_tables[:rows]
+        group = AttentionGroup(
+            query_index=torch.arange(rows, device=ids.device)[:, None],
+            block_index=tables.reshape(-1),
+            mask=ids.new_zeros(0),
+            window_masks={},
+            valid=ids.new_ones(rows, 1, dtype=torch.bool),
+            output_index=ids.new_zeros(0),
+            seq_lens=lens,
+        )
+        metadata = AttentionMetadata(slot_mapping=slots, groups=(group,), decode_in_place=True)
+        looked_up = {
+            key: (cos[positions], sin[positions]) for key, (cos, sin) in self.rotary.items()
+        }
+        return self.model.forward(ids, positions, metadata, self.kv_cache, rotary=looked_up)
+
+    def rotary_table(self) -> dict[object, RotaryTable]:
+        """cos and signed sin [max_model_len, 1, rotary_dim] per table, every position's."""
+        model = self.model
+        positions = torch.arange(model.max_model_len, device=model.device)
+        hidden = torch.zeros(1, model.hidden_size, dtype=model.dtype, device=model.device)
+        return dict(model.rotary_tables(hidden, positions))
+
+    def capture(self) -> None:
+        """Each bucket's step captured in a CUDA graph, largest first so that the smaller ones
+        share its memory pool; each warmed up first on padded rows (Triton's compiles, cuBLAS's
+        workspaces), which write only the scratch slot."""
+        pool = torch.cuda.graph_pool_handle()
+        for rows in reversed(self.buckets):
+            self.fill((), rows)
+            stream = torch.cuda.Stream()  # type: ignore[no-untyped-call]
+            stream.wait_stream(torch.cuda.current_stream())
+            with torch.cuda.stream(stream):
+                for _ in range(2):
+                    self.forward(rows)
+            torch.cuda.current_stream().wait_stream(stream)
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph, pool=pool):
+                self.outputs[rows] = self.forward(rows)
+            self.graphs[rows] = graph
+        torch.cuda.synchronize()
