@@ -26,6 +26,7 @@ as 32-bit integers (each request's kept and extended as it grows): C's speed, no
 from __future__ import annotations
 
 from array import array
+from collections.abc import Sequence
 
 import attrs
 
@@ -217,7 +218,7 @@ def accepted(sampled: tuple[int, ...] | list[int], drafts: tuple[int, ...]) -> i
     return min(len(sampled), len(drafts))
 
 
-def sampling_rows(sequences: list[ScheduledSequence]) -> list[SamplingInput]:
+def sampling_rows(sequences: Sequence[ScheduledSequence]) -> list[SamplingInput]:
     """The sampler's rows for sampling sequences: one each, or k + 1 for one with k drafts,
     row i sampling as if drafts 1..i had been sampled before it."""
     return [
@@ -229,7 +230,7 @@ def sampling_rows(sequences: list[ScheduledSequence]) -> list[SamplingInput]:
 
 
 def emitted(
-    sequences: list[ScheduledSequence],
+    sequences: Sequence[ScheduledSequence],
     token_ids: list[int],
     logprobs: list[Logprobs | None],
     prompt_logprobs: dict[str, tuple[Logprobs, ...]] | None = None,

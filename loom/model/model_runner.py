@@ -123,6 +123,8 @@ class ModelRunner:
             raise ValueError("a step needs at least one scheduled sequence")
         if self.drafter is not None:
             sequences = tuple(self.drafter.draft(sequences))
+        if self.static is not None and self.static.takes(sequences):
+            return self.static_step(self.static, sequences, masks)
         hidden = self.forward(sequences)
         ends = torch.tensor([len(seq.token_ids) for seq in sequences]).cumsum(0)
         ended = list(zip(sequences, ends.tolist(), strict=True))
@@ -144,11 +146,36 @@ class ModelRunner:
         # A sequence's rows: its last position, or with k drafts its last k + 1 (one each).
         rows = [e - 1 - j for s, e in sampling for j in reversed(range(len(s.draft_token_ids) + 1))]
         logits = self.model.compute_logits(hidden[torch.tensor(rows, device=self.device)]).float()
-        sampled = self.sampler.sample(logits, sampling_rows([s for s, _ in sampling]), masks)
-        emits = emitted(
-            [s for s, _ in sampling], sampled.token_ids, sampled.logprobs, prompt_logprobs=scored
-        )
+        emits = self.sample([s for s, _ in sampling], logits, masks, scored)
         return attrs.evolve(emits, pooled=pooled) if pooled else emits
+
+    def static_step(
+        self, static: StaticDecode, sequences: Sequence[ScheduledSequence], masks: Masks | None
+    ) -> ModelRunnerOutput:
+        """A decode step the static step takes: its logits come out of it (the LM head too is
+        in its CUDA graph), one row a sequence."""
+        for seq in sequences:
+            check_scheduled(seq, self.block_size)
+        logits = static.run(sequences).logits
+        rows = [i for i, seq in enumerate(sequences) if seq.sampling is not None]
+        if len(rows) < len(sequences):  # a one-token prompt chunk that does not end its prompt
+            logits = logits[torch.tensor(rows, device=self.device)]
+        return self.sample([sequences[i] for i in rows], logits.float(), masks, {})
+
+    def sample(
+        self,
+        sequences: Sequence[ScheduledSequence],
+        logits: torch.Tensor,
+        masks: Masks | None,
+        scored: dict[str, tuple[Logprobs, ...]],
+    ) -> ModelRunnerOutput:
+        """Each sampling sequence's tokens from its rows of float32 `logits`."""
+        if not sequences:
+            return ModelRunnerOutput(
+                request_ids=(), token_ids=(), logprobs=(), prompt_logprobs=scored
+            )
+        sampled = self.sampler.sample(logits, sampling_rows(sequences), masks)
+        return emitted(sequences, sampled.token_ids, sampled.logprobs, prompt_logprobs=scored)
 
     def pool(self, hidden: torch.Tensor, rows: PoolRows) -> tuple[float, ...]:
         """An embedding's chunk (`hidden` its rows) pooled: after the final norm, the sum of
@@ -186,7 +213,7 @@ class ModelRunner:
         for seq in sequences:
             check_scheduled(seq, self.block_size)
         if model is None and self.static is not None and self.static.takes(sequences):
-            return self.static.run(sequences)
+            return self.static.run(sequences).hidden
         model, kv_cache = model or self.model, kv_cache or self.kv_cache
         return model.forward(
             torch.tensor([t for seq in sequences for t in seq.token_ids], device=self.device),

@@ -4,10 +4,11 @@ Order, as in vLLM: penalties, logit_bias and min_tokens on the raw logits, then 
 row's mask (structured outputs: the tokens its grammar allows; a row that allows few is sampled
 among those alone, loom/model/masks.py); greedy rows take the argmax; the others are divided by
 their temperature, cut by top_k, top_p and min_p, and sampled by the exponential race
-(`argmax(p / q)`, `q ~ Exp(1)`), which equals sampling from `p` and lets each seeded request
-draw its `q` from a generator of its own (one for each token it samples among), seeded by its
-seed and the position of the token it samples: the same seed gives the same tokens whatever
-else shares the batch and however the steps fall (chunking, preemption). Logprobs are those
+(`argmax(p / q)`, `q ~ Exp(1)`), which equals sampling from `p`. The noise `q` is computed, not
+drawn (loom/model/sampling_noise.py): a hash of the row's key and each token id, all rows in one
+pass on the logits' device; a seeded request's key comes from its seed and the position of the
+token it samples, so the same seed gives the same tokens whatever else shares the batch,
+however the steps fall (chunking, preemption), and on either device. Logprobs are those
 of the raw model distribution. Rows are `SamplingInput`s, copied out of the requests by the
 scheduler: the sampler keeps no per-request state.
 """
@@ -22,10 +23,10 @@ import torch
 from loom.core.request_output import Logprobs, TokenLogprob
 from loom.core.step import SamplingInput
 from loom.model.masks import StepMasks, apply_masks
+from loom.model.sampling_noise import exponential_noise, row_keys
 
 Masks = Callable[[], StepMasks]  # the step's constrained rows' masks, once ready
 
-MASK_64 = (1 << 64) - 1
 LOGIT_CAP = 1e30  # / GREEDY_BELOW (1e-5) = 1e35, below float32's 3.4e38
 
 
@@ -141,16 +142,28 @@ class Sampler:
         gathered = gathered.masked_fill(padding.to(logits.device), float("-inf"))
         chosen = gathered.max(dim=-1).indices
         inputs = [rows[i] for i in narrow]
+        # Each token's noise is the full row's, drawn by its id (loom/model/sampling_noise.py).
         random = [j for j, r in enumerate(inputs) if not r.params.greedy and r.params.seed is None]
         if random:
             index = torch.tensor(random, device=logits.device)
-            chosen[index] = self.sample_random(gathered[index], [inputs[j] for j in random])
+            chosen[index] = self.sample_random(
+                gathered[index], [inputs[j] for j in random], ids[index]
+            )
         for j, r in enumerate(inputs):  # a seeded row at its own width: its mates' padding
             if not r.params.greedy and r.params.seed is not None:  # moves softmax by an ulp
-                chosen[j] = self.sample_random(gathered[j : j + 1, : widths[j]], [r])[0]
+                own = slice(j, j + 1), slice(0, widths[j])
+                chosen[j] = self.sample_random(gathered[own], [r], ids[own])[0]
         return ids.gather(1, chosen[:, None])[:, 0]
 
-    def sample_random(self, logits: torch.Tensor, rows: Sequence[SamplingInput]) -> torch.Tensor:
+    def sample_random(
+        self,
+        logits: torch.Tensor,
+        rows: Sequence[SamplingInput],
+        token_ids: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        """Each row's token by the exponential race over its logits (columns `token_ids`
+        [N, W] where gathered, else the vocabulary's), after temperature, top_k, top_p, min_p;
+        the noise counter-based (loom/model/sampling_noise.py)."""
         logits = logits / self.column([r.params.temperature for r in rows])
         top_k = [r.params.top_k for r in rows]
         top_p = [r.params.top_p for r in rows]
@@ -161,14 +174,11 @@ class Sampler:
         if any(p > 0 for p in min_p):
             floor = self.column(min_p) * probs.max(dim=-1, keepdim=True).values
             probs = probs.masked_fill(probs < floor, 0.0)
-        exponential = torch.empty_like(probs)
-        exponential.exponential_()
-        for i, r in enumerate(rows):
-            if r.params.seed is not None:
-                seed = position_seed(r.params.seed, r.num_output_tokens)
-                generator = torch.Generator(device=self.device).manual_seed(seed)
-                exponential[i].exponential_(generator=generator)
-        return (probs / exponential).max(dim=-1).indices
+        keys = row_keys([r.params for r in rows], [r.num_output_tokens for r in rows])
+        if token_ids is None:
+            token_ids = torch.arange(logits.shape[-1], dtype=torch.int32, device=logits.device)
+        noise = exponential_noise(keys.to(logits.device), token_ids.to(torch.int32))
+        return (probs / noise).max(dim=-1).indices
 
     def cut_top_k_top_p(
         self, logits: torch.Tensor, top_k: list[int], top_p: list[float]
@@ -189,9 +199,10 @@ class Sampler:
         padded = torch.full((len(token_lists), width), self.vocab_size, dtype=torch.long)
         for i, tokens in enumerate(token_lists):
             padded[i, : len(tokens)] = torch.tensor(tokens, dtype=torch.long)
-        counts = torch.zeros(len(token_lists), self.vocab_size + 1)
+        padded = padded.to(self.device)  # the ids travel, [N, L]; the counts are made there
+        counts = torch.zeros(len(token_lists), self.vocab_size + 1, device=self.device)
         counts.scatter_add_(1, padded, torch.ones_like(padded, dtype=torch.float))
-        return counts[:, : self.vocab_size].to(self.device)
+        return counts[:, : self.vocab_size]
 
     def column(self, values: list[float]) -> torch.Tensor:
         return torch.tensor(values, dtype=torch.float32, device=self.device)[:, None]
@@ -226,11 +237,3 @@ def token_logprobs(
             token_ids, chosen, top_ids.tolist(), top_values.tolist(), strict=True
         )
     ]
-
-
-def position_seed(seed: int, position: int) -> int:
-    """A 64-bit seed for a seeded request's token at `position` (splitmix64 of both)."""
-    z = (seed + (position + 1) * 0x9E3779B97F4A7C15) & MASK_64
-    z = ((z ^ (z >> 30)) * 0xBF58476D1CE4E5B9) & MASK_64
-    z = ((z ^ (z >> 27)) * 0x94D049BB133111EB) & MASK_64
-    return z ^ (z >> 31)

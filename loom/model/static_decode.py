@@ -8,8 +8,8 @@ mapping, sequence lengths, block tables: one copy from the host), rows S..B-1 pa
 step reads only those buffers. Its forward is the decoder's own (loom/model/decoder.py) with
 the in-place decode attention (loom/model/attention.py) and the rotary table looked up by
 position (computed once for every position at start: the context cap keeps the model's rotary
-tables fixed, loom/model/family.py). The host reads nothing back inside the step; the hidden
-states of the S real rows come out.
+tables fixed, loom/model/family.py), then the LM head. The host reads nothing back inside the
+step; the hidden states and logits of the S real rows come out.
 
 Padded rows decode a token of id 0 at position 0 that attends one key, the null block's first
 (zeros), and write their K and V to the scratch slot: a block past the BlockManager's, which no
@@ -33,6 +33,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
+import attrs
 import torch
 
 from loom.core.step import ScheduledSequence
@@ -42,6 +43,12 @@ from loom.model.kv_cache import KVCache
 
 MAX_GRAPH_SEQS = 256  # the largest bucket: a step of more sequences runs dynamically
 FIELDS = 4  # input_ids, positions, slot_mapping, seq_lens: a row each in the buffers
+
+
+@attrs.frozen
+class StaticOutput:
+    hidden: torch.Tensor  # [rows, hidden]: the last layer's, before the final norm
+    logits: torch.Tensor  # [rows, vocab], in the model's dtype
 
 
 class StaticDecode:
@@ -72,7 +79,7 @@ class StaticDecode:
         self.block_tables = torch.zeros(rows, self.max_blocks, dtype=index, device=device)
         self.rotary = self.rotary_table()
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
-        self.outputs: dict[int, torch.Tensor] = {}
+        self.outputs: dict[int, StaticOutput] = {}
         if graphs:
             self.capture()
 
@@ -86,15 +93,17 @@ class StaticDecode:
     def bucket(self, num_seqs: int) -> int:
         return next(b for b in self.buckets if b >= num_seqs)
 
-    def run(self, sequences: Sequence[ScheduledSequence]) -> torch.Tensor:
-        """The last layer's hidden states [S, hidden] of the step's sequences."""
-        rows = self.bucket(len(sequences))
+    def run(self, sequences: Sequence[ScheduledSequence]) -> StaticOutput:
+        """The step's last hidden states and logits, the sequences' rows."""
+        rows, num_seqs = self.bucket(len(sequences)), len(sequences)
         self.fill(sequences, rows)
         graph = self.graphs.get(rows)
         if graph is None:
-            return self.forward(rows)[: len(sequences)]
-        graph.replay()
-        return self.outputs[rows][: len(sequences)]
+            out = self.forward(rows)
+        else:
+            graph.replay()
+            out = self.outputs[rows]
+        return StaticOutput(hidden=out.hidden[:num_seqs], logits=out.logits[:num_seqs])
 
     def fill(self, sequences: Sequence[ScheduledSequence], rows: int) -> None:
         """Write the step's inputs into the buffers' first `rows` rows (see the worked example
@@ -128,8 +137,9 @@ class StaticDecode:
         self.staged[:end].copy_(self.host[:end], non_blocking=True)
         self.block_tables[:rows, :width] = self.staged[FIELDS * most : end].view(rows, width)
 
-    def forward(self, rows: int) -> torch.Tensor:
-        """The model's forward over the buffers' first `rows` rows: reads the buffers alone."""
+    def forward(self, rows: int) -> StaticOutput:
+        """The model's forward and LM head over the buffers' first `rows` rows: reads the
+        buffers alone."""
         ids, positions, slots, lens = self.fields[:, :rows].long().unbind(0)
         tables = self.block_tables[:rows]
         group = AttentionGroup(
@@ -145,7 +155,8 @@ class StaticDecode:
         looked_up = {
             key: (cos[positions], sin[positions]) for key, (cos, sin) in self.rotary.items()
         }
-        return self.model.forward(ids, positions, metadata, self.kv_cache, rotary=looked_up)
+        hidden = self.model.forward(ids, positions, metadata, self.kv_cache, rotary=looked_up)
+        return StaticOutput(hidden=hidden, logits=self.model.compute_logits(hidden))
 
     def rotary_table(self) -> dict[object, RotaryTable]:
         """cos and signed sin [max_model_len, 1, rotary_dim] per table, every position's."""
