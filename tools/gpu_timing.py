@@ -153,7 +153,8 @@ def bench_stage(device: torch.device, tiny: bool, out: Path) -> Result:
     command = [sys.executable, "-m", "loom", "bench", "--model", str(folder)]
     command += ["--concurrency", ",".join(map(str, sizes)), "--input-len", lens[0]]
     command += ["--output-len", lens[1], "--json", str(report), "--warmup", "2"]
-    command += [f"--serve-args=--device {device} --max-num-seqs {max(sizes)}"]
+    budget = "" if tiny else " --max-num-batched-tokens 8192"  # a GPU's prefill budget
+    command += [f"--serve-args=--device {device} --max-num-seqs {max(sizes)}{budget}"]
     began = time.monotonic()
     done = subprocess.run(command, cwd=ROOT, capture_output=True, text=True)
     print(done.stdout[-20000:], done.stderr[-20000:], sep="\n")

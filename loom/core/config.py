@@ -13,7 +13,8 @@ from loom.core.speculative import SpeculativeConfig
 @attrs.frozen(kw_only=True)
 class CacheConfig:
     """The KV pool. Its size is the first of these that is set: `num_blocks`, then
-    `kv_cache_memory` bytes, then `kv_cache_memory_fraction` of the device's free memory."""
+    `kv_cache_memory` bytes, then on a GPU what `gpu_memory_utilization` of its memory leaves
+    (loom/model/memory_plan.py), on a CPU `kv_cache_memory_fraction` of its free memory."""
 
     block_size: int = setting(16, "tokens per KV block", check=at_least(1))
     num_blocks: int | None = setting(
@@ -30,6 +31,13 @@ class CacheConfig:
     kv_cache_memory_fraction: float = setting(
         0.1,
         "KV pool as a fraction of the device's free memory",
+        check=in_range(0, 1, low_open=True),
+    )
+    gpu_memory_utilization: float = setting(
+        0.9,
+        "on a GPU, the fraction of its memory Loom may use: the KV pool takes what the weights, "
+        "a profiled step's activations and the CUDA graphs leave of it (unless --num-blocks or "
+        "--kv-cache-memory)",
         check=in_range(0, 1, low_open=True),
     )
     kv_cache_dtype: str = setting(

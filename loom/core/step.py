@@ -136,3 +136,17 @@ class ModelRunnerOutput:
         ):
             emitted.setdefault(request_id, []).append((token_id, logprobs))
         return emitted
+
+
+def check_scheduled(seq: ScheduledSequence, block_size: int) -> None:
+    if not seq.token_ids:
+        raise ValueError(f"request {seq.request_id}: no tokens scheduled")
+    drafts = seq.draft_token_ids
+    if drafts and (seq.sampling is None or seq.token_ids[-len(drafts) :] != drafts):
+        raise ValueError(f"request {seq.request_id}: drafts must end a sampling row's tokens")
+    num_tokens = seq.num_computed_tokens + len(seq.token_ids)
+    if len(seq.block_table) * block_size < num_tokens:
+        raise ValueError(
+            f"request {seq.request_id}: block table of {len(seq.block_table)} blocks cannot hold "
+            f"{num_tokens} tokens at block size {block_size}"
+        )

@@ -12,11 +12,13 @@ import enum
 import logging
 from collections.abc import AsyncIterator, Callable
 from contextlib import aclosing, asynccontextmanager
+from functools import partial
+from typing import Protocol
 
 import attrs
 import trio
 
-from loom.core.config import CacheConfig
+from loom.core.config import CacheConfig, SchedulerConfig
 from loom.core.errors import EngineDeadError, EngineOverloadedError, InvalidRequestError
 from loom.core.kv_events import KvEventLog
 from loom.core.prompt import Prompt
@@ -35,7 +37,14 @@ from loom.model.loader import LoadedModel
 from loom.model.model_runner import ModelRunner
 
 log = logging.getLogger(__name__)
-RunnerFactory = Callable[[LoadedModel, CacheConfig], ModelRunner]
+
+
+class RunnerFactory(Protocol):
+    """ModelRunner, or a runner like it (the simulated model's, a test's)."""
+
+    def __call__(
+        self, loaded: LoadedModel, cache: CacheConfig, *, steps: SchedulerConfig
+    ) -> ModelRunner: ...
 
 
 class EngineState(enum.Enum):
@@ -80,7 +89,8 @@ class Engine:
             loaded = await trio.to_thread.run_sync(self.load)
             draft = self.config.scheduler.speculative.draft_quantization
             loaded = attrs.evolve(loaded, draft_quantization=draft)
-            runner = await trio.to_thread.run_sync(self.make_runner, loaded, self.config.cache)
+            make = partial(self.make_runner, steps=self.config.scheduler)
+            runner = await trio.to_thread.run_sync(make, loaded, self.config.cache)
             self.core = core = EngineCore(self.config, loaded, runner, self.observer)
             self.metrics.opened(loaded.name, lambda: self.published_stats)  # read by scrapes
             del loaded  # the transformers model: the runner keeps what it computes with

@@ -23,6 +23,7 @@ Worked example, k 2, a request with 10 tokens computed and token t10 to compute:
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Callable, Sequence
 
 import attrs
@@ -30,6 +31,12 @@ import torch
 
 from loom.core.step import ScheduledSequence
 from loom.model.decoder import DecoderModel
+from loom.model.family import UnsupportedModelError
+from loom.model.linear import check_method
+from loom.model.loader import LoadedModel
+
+log = logging.getLogger(__name__)
+CHEAPER = ("none", "int8", "q4")  # the linear layers' methods, dearest first
 
 Forward = Callable[[Sequence[ScheduledSequence]], torch.Tensor]  # hidden states, K/V written
 
@@ -94,3 +101,26 @@ class Drafter:
     def argmax(self, hidden: torch.Tensor) -> list[int]:
         logits = self.model.compute_logits(hidden).float()[:, : self.model.vocab_size]
         return [int(t) for t in logits.max(dim=-1).indices.tolist()]
+
+
+def draft_model(loaded: LoadedModel, kv_dtype: torch.dtype) -> DecoderModel | None:
+    """The target's weights as `draft_quantization` computes them, if set: refused at start
+    where that method cannot run (a GPU, a dtype not float32), and a warning where it costs
+    what the target does (no faster: nothing to gain)."""
+    method = loaded.draft_quantization
+    if method is None:
+        return None
+    try:
+        check_method(method, loaded.device, loaded.dtype)
+    except ValueError as exc:
+        raise UnsupportedModelError(f"--speculative-quantization: {exc}") from None
+    if CHEAPER.index(method) <= CHEAPER.index(loaded.quantization):
+        log.warning(
+            "the draft model computes as %s, the model as %s: its drafts cost what the "
+            "model's own tokens do (no faster)",
+            method,
+            loaded.quantization,
+        )
+    return DecoderModel(
+        loaded.model, quantization=method, tokenizer=loaded.tokenizer, kv_dtype=kv_dtype
+    )

@@ -20,26 +20,24 @@ from functools import partial
 import attrs
 import torch
 
-from loom.core.config import CacheConfig
+from loom.core.config import CacheConfig, SchedulerConfig
 from loom.core.pooling import PoolRows
 from loom.core.request import PromptScoring
 from loom.core.request_output import Logprobs
 from loom.core.speculative import emitted, sampling_rows
-from loom.core.step import ModelRunnerOutput, ScheduledSequence, SchedulerOutput
+from loom.core.step import ModelRunnerOutput, ScheduledSequence, SchedulerOutput, check_scheduled
 from loom.model.attention_metadata import AttentionMetadata, build_attention_metadata
 from loom.model.decoder import DecoderModel
 from loom.model.device import DTYPES, available_memory
-from loom.model.drafter import Drafter
-from loom.model.family import UnsupportedModelError
+from loom.model.drafter import Drafter, draft_model
 from loom.model.kv_cache import KVCache
-from loom.model.linear import check_method
 from loom.model.loader import LoadedModel
+from loom.model.memory_plan import MemoryPlan, profiled_plan
 from loom.model.sampler import Masks, Sampler, token_logprobs
-from loom.model.static_decode import StaticDecode
+from loom.model.static_decode import MAX_GRAPH_SEQS, StaticDecode
 
 log = logging.getLogger(__name__)
 
-CHEAPER = ("none", "int8", "q4")  # the linear layers' methods, dearest first
 SCORE_ROWS = 256  # logits rows at a time when scoring a prompt: 256 x 49,152 floats is 50 MB
 
 
@@ -47,13 +45,22 @@ class ModelRunner:
     """Runs batched steps of a loaded model over a paged KV pool sized by `cache`."""
 
     def __init__(
-        self, loaded: LoadedModel, cache: CacheConfig, *, static_decode: bool | None = None
+        self,
+        loaded: LoadedModel,
+        cache: CacheConfig,
+        *,
+        static_decode: bool | None = None,
+        steps: SchedulerConfig | None = None,
     ) -> None:
         """`static_decode`: decode steps over persistent buffers (loom/model/static_decode.py),
         where the decode attention reads the pool in place; None: on a GPU (captured in CUDA
         graphs, unless `loaded.enforce_eager`), not on a CPU (the C++ kernels' dynamic step is
-        as fast there); True on a CPU runs it eagerly (the tests)."""
+        as fast there); True on a CPU runs it eagerly (the tests). `steps`: the scheduler's limits,
+        which size the static step's buckets and the step a GPU profiles to plan its memory."""
         self.device, self.dtype = loaded.device, loaded.dtype  # the model's (the pool's may differ)
+        if self.device.type == "cuda":  # this thread's current device: Triton launches there
+            torch.cuda.set_device(self.device)
+        steps = steps or SchedulerConfig(max_num_seqs=MAX_GRAPH_SEQS, max_num_batched_tokens=8192)
         self.block_size = cache.block_size
         kv_dtype = loaded.dtype if cache.kv_cache_dtype == "auto" else DTYPES[cache.kv_cache_dtype]
         self.model = DecoderModel(
@@ -65,33 +72,57 @@ class ModelRunner:
         self.kv_cache_shape = self.model.kv_cache_shape(cache.block_size)
         draft = draft_model(loaded, kv_dtype)  # built before the pools are sized
         pools = 1 if draft is None else 2  # the draft model's pool: the target's shape
-        num_blocks = cache.num_blocks_for(
-            pools * self.kv_cache_shape.bytes_per_block, partial(available_memory, self.device)
-        )
-        on_gpu = self.device.type == "cuda"
-        if static_decode is None:
-            static_decode = on_gpu and not loaded.enforce_eager
-        # Where decode attention reads the pool in place; not a mixture of experts (its routing
-        # picks rows by value: a data-dependent shape no graph can hold).
-        static_decode &= self.model.decode_in_place and self.model.layers[0].experts is None
+        graphs = self.device.type == "cuda" and not loaded.enforce_eager
+        static_decode = self.takes_static(graphs if static_decode is None else static_decode)
+        self.static: StaticDecode | None = None  # built once the pool is
+        self.plan = self.memory_plan(cache, pools, steps)
+        log.info("%s", self.plan.describe())
+        num_blocks = self.plan.num_blocks
         # The static step's padded rows write to a scratch block past the BlockManager's.
         self.kv_cache = KVCache.allocate(
             self.kv_cache_shape, num_blocks + static_decode, self.device
         )
-        self.static: StaticDecode | None = None
         if static_decode:
+            max_seqs = min(steps.max_num_seqs, MAX_GRAPH_SEQS)
             self.static = StaticDecode(
-                self.model,
-                self.kv_cache,
-                block_size=cache.block_size,
-                scratch_block=num_blocks,
-                graphs=on_gpu and not loaded.enforce_eager,
-            )
+                self.model, self.kv_cache, block_size=cache.block_size, scratch_block=num_blocks,
+                max_seqs=max_seqs, graphs=graphs,
+            )  # fmt: skip
         self.sampler = Sampler(self.model.vocab_size, self.device)
         self.drafter: Drafter | None = None
         if draft is not None:
             pool = KVCache.allocate(self.kv_cache_shape, num_blocks, self.device)
             self.drafter = Drafter(draft, partial(self.forward, model=draft, kv_cache=pool))
+
+    def takes_static(self, asked: bool) -> bool:
+        """Whether decode steps go static: where asked, decode attention reads the pool in
+        place, and the model is no mixture of experts (its routing picks rows by value: a
+        data-dependent shape no graph can hold)."""
+        return asked and self.model.decode_in_place and self.model.layers[0].experts is None
+
+    def memory_plan(self, cache: CacheConfig, pools: int, steps: SchedulerConfig) -> MemoryPlan:
+        """The KV pool's size (loom/model/memory_plan.py): on a GPU, what the budget leaves
+        after profiled steps, unless the cache's settings give a size; else theirs."""
+        per_block, device = pools * self.kv_cache_shape.bytes_per_block, self.device
+        if device.type != "cuda" or cache.num_blocks or cache.kv_cache_memory:
+            num_blocks = cache.num_blocks_for(per_block, partial(available_memory, device))
+            in_use = torch.cuda.memory_allocated(device) if device.type == "cuda" else 0
+            return MemoryPlan(
+                device=str(device),
+                bytes_per_block=per_block,
+                block_size=cache.block_size,
+                num_blocks=num_blocks,
+                in_use=in_use,
+            )
+        return profiled_plan(
+            partial(self.forward, model=self.model),
+            self.model,
+            self.kv_cache_shape,
+            pools,
+            steps.max_num_batched_tokens,
+            min(steps.max_num_seqs, MAX_GRAPH_SEQS),
+            utilization=cache.gpu_memory_utilization,
+        )
 
     @property
     def num_blocks(self) -> int:
@@ -121,6 +152,8 @@ class ModelRunner:
         sequences = output.sequences
         if not sequences:
             raise ValueError("a step needs at least one scheduled sequence")
+        if self.device.type == "cuda":  # a worker thread's current device: Triton's launches'
+            torch.cuda.set_device(self.device)
         if self.drafter is not None:
             sequences = tuple(self.drafter.draft(sequences))
         if self.static is not None and self.static.takes(sequences):
@@ -241,29 +274,6 @@ class ModelRunner:
         )
 
 
-def draft_model(loaded: LoadedModel, kv_dtype: torch.dtype) -> DecoderModel | None:
-    """The target's weights as `draft_quantization` computes them, if set: refused at start
-    where that method cannot run (a GPU, a dtype not float32), and a warning where it costs
-    what the target does (no faster: nothing to gain)."""
-    method = loaded.draft_quantization
-    if method is None:
-        return None
-    try:
-        check_method(method, loaded.device, loaded.dtype)
-    except ValueError as exc:
-        raise UnsupportedModelError(f"--speculative-quantization: {exc}") from None
-    if CHEAPER.index(method) <= CHEAPER.index(loaded.quantization):
-        log.warning(
-            "the draft model computes as %s, the model as %s: its drafts cost what the "
-            "model's own tokens do (no faster)",
-            method,
-            loaded.quantization,
-        )
-    return DecoderModel(
-        loaded.model, quantization=method, tokenizer=loaded.tokenizer, kv_dtype=kv_dtype
-    )
-
-
 def positions(sequences: Sequence[ScheduledSequence]) -> torch.Tensor:
     """The absolute position of every new token, flat."""
     return torch.cat(
@@ -272,17 +282,3 @@ def positions(sequences: Sequence[ScheduledSequence]) -> torch.Tensor:
             for seq in sequences
         ]
     )
-
-
-def check_scheduled(seq: ScheduledSequence, block_size: int) -> None:
-    if not seq.token_ids:
-        raise ValueError(f"request {seq.request_id}: no tokens scheduled")
-    drafts = seq.draft_token_ids
-    if drafts and (seq.sampling is None or seq.token_ids[-len(drafts) :] != drafts):
-        raise ValueError(f"request {seq.request_id}: drafts must end a sampling row's tokens")
-    num_tokens = seq.num_computed_tokens + len(seq.token_ids)
-    if len(seq.block_table) * block_size < num_tokens:
-        raise ValueError(
-            f"request {seq.request_id}: block table of {len(seq.block_table)} blocks cannot hold "
-            f"{num_tokens} tokens at block size {block_size}"
-        )

@@ -29,7 +29,7 @@ from types import SimpleNamespace
 import attrs
 import torch
 
-from loom.core.config import CacheConfig
+from loom.core.config import CacheConfig, SchedulerConfig
 from loom.core.request_output import Logprobs, TokenLogprob
 from loom.core.speculative import emitted, sampling_rows
 from loom.core.step import ModelRunnerOutput, SamplingInput, ScheduledSequence, SchedulerOutput
@@ -135,7 +135,9 @@ def tokenizer_folder(where: str, cache_dir: Path | None) -> Path:
 class SimRunner(ModelRunner):
     """A `ModelRunner` whose step sleeps and returns the simulated model's tokens."""
 
-    def __init__(self, loaded: LoadedModel, cache: CacheConfig) -> None:  # no super(): no model
+    def __init__(  # no super(): no model
+        self, loaded: LoadedModel, cache: CacheConfig, *, steps: SchedulerConfig | None = None
+    ) -> None:
         if loaded.draft_quantization is not None:
             raise UnsupportedModelError(
                 "the simulated model has no draft model: use --speculative-method ngram"

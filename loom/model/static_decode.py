@@ -77,6 +77,8 @@ class StaticDecode:
         self.staged = torch.zeros(size, dtype=index, device=device)  # the host's, copied
         self.fields = self.staged[: FIELDS * rows].view(FIELDS, rows)
         self.block_tables = torch.zeros(rows, self.max_blocks, dtype=index, device=device)
+        on_gpu = device.type == "cuda"
+        self.copied = torch.cuda.Event() if on_gpu else None  # type: ignore[no-untyped-call]
         self.rotary = self.rotary_table()
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
         self.outputs: dict[int, StaticOutput] = {}
@@ -110,6 +112,8 @@ class StaticDecode:
         at the top), padded: built on the host, copied over in one piece (the fields, and the
         tables packed as wide as this step's longest), and the tables spread on the device (a
         table's entries past its sequence's blocks are never read: left as they were)."""
+        if self.copied is not None:
+            self.copied.synchronize()  # the last step's copy out of the host buffer is done
         num_seqs, block_size, most = len(sequences), self.block_size, self.buckets[-1]
         positions = [s.num_computed_tokens for s in sequences]
         slots = [
@@ -132,9 +136,11 @@ class StaticDecode:
         ]
         end = FIELDS * most + rows * width
         self.host[FIELDS * most : end] = torch.tensor(tables + [[0] * width] * padding).view(-1)
-        # Asynchronous from pinned memory: the host buffer is written again only next step,
-        # after this step's sampled tokens were read back (which waits for the copy too).
+        # Asynchronous from pinned memory: the host buffer is written again only once the
+        # event recorded after the copy has passed (above).
         self.staged[:end].copy_(self.host[:end], non_blocking=True)
+        if self.copied is not None:
+            self.copied.record()
         self.block_tables[:rows, :width] = self.staged[FIELDS * most : end].view(rows, width)
 
     def forward(self, rows: int) -> StaticOutput:

@@ -22,10 +22,12 @@ from loom.model.model_runner import ModelRunner
 from loom.model.static_decode import StaticDecode
 from tests.conftest import tiny_model
 from tests.support.greedy import GreedyRequest, reference_tokens, run_greedy
+from tests.support.placement import ON_GPU
 from tests.support.sync_audit import SyncAudit
 
 pytestmark = pytest.mark.skipif(
-    kernels.unavailable() is not None, reason=f"Loom's CPU kernels: {kernels.unavailable()}"
+    not ON_GPU and kernels.unavailable() is not None,
+    reason=f"Loom's CPU kernels: {kernels.unavailable()}",
 )
 Prompt = Callable[[int, int], list[int]]
 BLOCK_SIZE = 4
@@ -68,6 +70,15 @@ def decode_step(contexts: list[int]) -> list[ScheduledSequence]:
     return sequences
 
 
+def same(a: torch.Tensor, b: torch.Tensor) -> None:
+    """Bit for bit on the CPU (one kernel either way); on a GPU within rounding: the Triton
+    kernel splits a row's keys by the step's row count, the bucket's or the batch's."""
+    if ON_GPU:
+        torch.testing.assert_close(a, b, rtol=2e-2, atol=2e-2)
+    else:
+        assert torch.equal(a, b)
+
+
 def pools(runner: ModelRunner) -> list[torch.Tensor]:
     return [layer[:NUM_BLOCKS] for layer in runner.kv_cache.k + runner.kv_cache.v]
 
@@ -89,8 +100,9 @@ def test_static_decode_equals_the_dynamic_step_with_padded_rows(
     assert static.static is not None
     assert static.static.bucket(len(contexts)) > len(contexts) or len(contexts) == 1
     out = static.forward(sequences)
-    assert torch.equal(out, expected)
-    assert all(map(torch.equal, pools(static), pools(dynamic)))
+    same(out, expected)
+    for mine, theirs in zip(pools(static), pools(dynamic), strict=True):
+        same(mine, theirs)
     assert all(layer[0].eq(0).all() for layer in pools(static))
     padded = static.static.bucket(len(contexts)) - len(contexts)
     scratch = static.kv_cache.k[0][NUM_BLOCKS, 0]  # the scratch slot's keys
@@ -112,7 +124,9 @@ def test_static_decode_samples_as_the_dynamic_step_through_the_runner() -> None:
     ]
     step = SchedulerOutput(sequences=tuple(sequences))
     expected = dynamic.execute_model(step)
-    assert static.execute_model(step) == expected
+    result = static.execute_model(step)
+    assert result.token_ids == expected.token_ids
+    assert ON_GPU or result == expected  # the log-probabilities too, bit for bit on the CPU
 
 
 def test_static_decode_greedy_tokens_are_generate_s(random_prompt: Prompt) -> None:
