@@ -6,9 +6,10 @@ gate/up are fused into one matrix product each. A family's parts are switched on
 `Family`: q/k norms, partial rotary, sandwich norms, GeGLU, soft-capping, sliding windows per
 layer. The arithmetic follows transformers' modules (RMSNorm in float32, rotary embedding
 from the model's own rotary module) so that greedy fp32 decoding gives the very tokens of
-`generate`, with `quantization="none"`. Where Loom's CPU kernels run, the residual add and
-RMSNorm, rotary and the K/V write, and SiLU * up are each one fused pass: rotary bit for bit,
-the norm and SiLU within float rounding of torch's; a quantised method (loom/model/linear.py)
+`generate`, with `quantization="none"`. Where Loom's CPU kernels run (on a GPU, Triton's:
+loom/model/triton_ops.py, named by `ops`), the residual add and RMSNorm, rotary and the K/V
+write, and SiLU * up are each one fused pass: rotary bit for bit on the CPU, the norm and SiLU
+within float rounding of torch's; a quantised method (loom/model/linear.py)
 changes the linear layers' arithmetic and nothing else. The forward takes the whole step's
 tokens flat, `[T]`, with no batch axis.
 """
@@ -76,11 +77,20 @@ class DecoderModel:
         self.decode_in_place = can_decode_in_place(self.device, self.dtype, self.head_dim)
         on_cpu = self.device.type == "cpu"
         self.decode_in_place &= self.kv_dtype in (torch.float32, torch.float16) or not on_cpu
-        # Norms, rotary and the K/V write, SiLU and its product fused, where the CPU kernels run.
-        self.fused = self.decode_in_place and on_cpu and self.hidden_size % 8 == 0
+        # Norms, rotary and the K/V write, SiLU and its product fused: by the CPU kernels, or
+        # on a GPU by Triton's (loom/model/triton_ops.py), which `ops` names.
+        self.ops: Any = torch.ops.loom
+        self.fused = self.decode_in_place and self.hidden_size % 8 == 0
         self.fused &= config.intermediate_size % 8 == 0
         self.fused &= getattr(config, "shared_expert_intermediate_size", 0) % 8 == 0
-        self.fused_rotary = self.fused and family.rotary_dim == family.head_dim
+        if self.fused and not on_cpu:
+            from loom.model import triton_ops
+
+            self.ops = triton_ops
+        head_dim = family.head_dim
+        self.fused_rotary = (
+            self.fused and family.rotary_dim == head_dim == 1 << (head_dim - 1).bit_length()
+        )
         if quantization == "int8":
             weights = self.smoothed(weights, hf_model, tokenizer)
         linear = functools.partial(layer_linear, quantization)
@@ -88,7 +98,7 @@ class DecoderModel:
         self.lm_head = linear("lm_head", head)
         self.embedding = embedding_of(embed, head, self.lm_head)
         self.layers = [load_layer(weights, i, family, linear) for i in range(family.num_layers)]
-        one_call = self.fused and family.is_plain
+        one_call = self.fused and on_cpu and family.is_plain
         self.decode_weights = decode_weights(self.layers) if one_call else None  # q4: one call
         self.one_region = True  # that call's layers in one parallel region (False: one a kernel)
 
@@ -178,7 +188,7 @@ class DecoderModel:
         """`hidden += delta` (the residual stream, in place), then RMSNorm of it: one fused
         kernel where Loom's CPU kernels run."""
         if self.fused:
-            out: torch.Tensor = torch.ops.loom.add_rms_norm(hidden, delta, weight, self.eps)
+            out: torch.Tensor = self.ops.add_rms_norm(hidden, delta, weight, self.eps)
             return out
         if delta is not None:
             hidden.add_(delta)
@@ -211,7 +221,7 @@ class DecoderModel:
         if layer.q_norm is not None and layer.k_norm is not None:
             qkv = self.qk_norm(qkv, layer.q_norm, layer.k_norm)
         if self.fused_rotary:  # rotary and the K/V write in one pass, bit for bit the same
-            q = torch.ops.loom.rotary_write_kv(
+            q = self.ops.rotary_write_kv(
                 qkv, cos, sin, metadata.slot_mapping, k_cache, v_cache, self.num_heads
             )
         else:
@@ -260,7 +270,7 @@ class DecoderModel:
         gate_up = layer.gate_up(x)
         silu = self.family.activation == "silu"
         if self.fused and silu:
-            out = layer.down(torch.ops.loom.silu_mul(gate_up))
+            out = layer.down(self.ops.silu_mul(gate_up))
         else:
             gate, up = gate_up.chunk(2, dim=-1)
             act = F.silu(gate) if silu else F.gelu(gate, approximate="tanh")
