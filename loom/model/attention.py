@@ -101,7 +101,7 @@ def paged_attention(
         o = attend(q, keys.transpose(1, 2), values.transpose(1, 2), mask, scale, softcap)
         o = o.view(num_seqs, num_kv_heads, group_size, num_queries, head_dim).permute(0, 3, 1, 2, 4)
         o = o.reshape(num_seqs * num_queries, -1, head_dim)
-        out[group.output_index] = o if num_queries == 1 else o[group.valid.flatten()]
+        out[group.output_index] = o if num_queries == 1 else o.index_select(0, group.valid_rows)
     return out
 
 

@@ -53,6 +53,7 @@ class AttentionGroup:
     window_masks: dict[int, torch.Tensor]  # the same, for each sliding window: the nearest keys
     valid: torch.Tensor  # [S, Q] True for real (unpadded) queries
     output_index: torch.Tensor  # [N] flat token index of each real query, in `valid` order
+    valid_rows: torch.Tensor  # [N] where each real query is among the S * Q padded ones
     seq_lens: torch.Tensor  # [S] keys each sequence attends
 
 
@@ -193,6 +194,7 @@ def build_group(
         window_masks={w: m.to(device) for w, m in window_masks.items()},
         valid=valid.to(device),
         output_index=query_index[valid].to(device),
+        valid_rows=valid.flatten().nonzero()[:, 0].to(device),  # found here, on the host
         seq_lens=(computed + q_lens).to(device),
     )
 

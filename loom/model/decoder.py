@@ -77,20 +77,7 @@ class DecoderModel:
         self.decode_in_place = can_decode_in_place(self.device, self.dtype, self.head_dim)
         on_cpu = self.device.type == "cpu"
         self.decode_in_place &= self.kv_dtype in (torch.float32, torch.float16) or not on_cpu
-        # Norms, rotary and the K/V write, SiLU and its product fused: by the CPU kernels, or
-        # on a GPU by Triton's (loom/model/triton_ops.py), which `ops` names.
-        self.ops: Any = torch.ops.loom
-        self.fused = self.decode_in_place and self.hidden_size % 8 == 0
-        self.fused &= config.intermediate_size % 8 == 0
-        self.fused &= getattr(config, "shared_expert_intermediate_size", 0) % 8 == 0
-        if self.fused and not on_cpu:
-            from loom.model import triton_ops
-
-            self.ops = triton_ops
-        head_dim = family.head_dim
-        self.fused_rotary = (
-            self.fused and family.rotary_dim == head_dim == 1 << (head_dim - 1).bit_length()
-        )
+        self.ops, self.fused, self.fused_rotary = self.small_ops(config, on_cpu)
         if quantization == "int8":
             weights = self.smoothed(weights, hf_model, tokenizer)
         linear = functools.partial(layer_linear, quantization)
@@ -101,6 +88,21 @@ class DecoderModel:
         one_call = self.fused and on_cpu and family.is_plain
         self.decode_weights = decode_weights(self.layers) if one_call else None  # q4: one call
         self.one_region = True  # that call's layers in one parallel region (False: one a kernel)
+
+    def small_ops(self, config: Any, on_cpu: bool) -> tuple[Any, bool, bool]:
+        """Where norms, rotary and the K/V write, and SiLU and its product are fused: the ops
+        (the CPU kernels, or on a GPU Triton's: loom/model/triton_ops.py), whether the norms
+        and SiLU are, and whether rotary is (the whole head, of a power-of-two size)."""
+        fused = self.decode_in_place and self.hidden_size % 8 == 0
+        fused &= config.intermediate_size % 8 == 0
+        fused &= getattr(config, "shared_expert_intermediate_size", 0) % 8 == 0
+        ops: Any = torch.ops.loom
+        if fused and not on_cpu:
+            from loom.model import triton_ops
+
+            ops = triton_ops
+        rotary, head_dim = self.family.rotary_dim, self.head_dim
+        return ops, fused, fused and rotary == head_dim == 1 << (head_dim - 1).bit_length()
 
     def smoothed(
         self, weights: dict[str, torch.Tensor], hf_model: Any, tokenizer: Any

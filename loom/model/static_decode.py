@@ -155,6 +155,7 @@ class StaticDecode:
             window_masks={},
             valid=ids.new_ones(rows, 1, dtype=torch.bool),
             output_index=ids.new_zeros(0),
+            valid_rows=ids.new_zeros(0),
             seq_lens=lens,
         )
         metadata = AttentionMetadata(slot_mapping=slots, groups=(group,), decode_in_place=True)

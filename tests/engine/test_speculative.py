@@ -90,7 +90,7 @@ REPEATING = [3, 1, 4, 1, 5, 9, 2, 6] * 4
     [
         # (temperatures low enough that the drafts are sometimes sampled)
         SamplingParams(temperature=0.1, seed=11, max_tokens=40),
-        SamplingParams(temperature=0.1, top_k=20, top_p=0.9, seed=12, max_tokens=40),
+        SamplingParams(temperature=0.1, top_k=20, top_p=0.9, seed=14, max_tokens=40),
         SamplingParams(
             temperature=0, repetition_penalty=1.05, frequency_penalty=0.05, max_tokens=40
         ),

@@ -20,6 +20,7 @@ from loom.model.decoder import DecoderModel
 from loom.model.model_runner import ModelRunner
 from tests.conftest import tiny_model
 from tests.model.test_blocks import as_if_from_a_gguf
+from tests.support.sync_audit import SyncAudit
 
 pytestmark = pytest.mark.skipif(
     kernels.unavailable() is not None, reason=f"Loom's CPU kernels: {kernels.unavailable()}"
@@ -190,3 +191,34 @@ def test_decoder_tied_embedding_is_the_lm_head_s_weight_not_a_copy() -> None:
     assert model.embedding.keywords["weight"] is head_weight  # type: ignore[attr-defined]
     ids = torch.tensor([3, 1, 4])
     assert torch.equal(model.embedding(ids), loaded.model.model.embed_tokens(ids))
+
+
+@pytest.mark.parametrize("family", ["llama", "gemma2"])
+def test_decoder_forward_of_a_mixed_step_waits_on_nothing(family: str) -> None:
+    """A step with prompt chunks of unequal lengths (padded queries) beside decodes: once its
+    metadata is built, the model's forward records no op that makes the host wait (the padded
+    rows are dropped by an index found on the host, not by a boolean mask each layer)."""
+    config = {"head_dim": 16, "sliding_window": 6} if family == "gemma2" else {}
+    runner = ModelRunner(tiny_model(family, **config), CacheConfig(num_blocks=32, block_size=4))
+    sequences = [
+        ScheduledSequence(
+            request_id="a", token_ids=(1, 2, 3, 4, 5), num_computed_tokens=0, block_table=(1, 2)
+        ),
+        ScheduledSequence(
+            request_id="b", token_ids=(6, 7), num_computed_tokens=0, block_table=(3,)
+        ),
+        ScheduledSequence(
+            request_id="c", token_ids=(8,), num_computed_tokens=6, block_table=(4, 5)
+        ),
+    ]
+    metadata = runner.attention_metadata(sequences)
+    ids = torch.tensor([t for s in sequences for t in s.token_ids])
+    positions = torch.cat(
+        [
+            torch.arange(s.num_computed_tokens, s.num_computed_tokens + len(s.token_ids))
+            for s in sequences
+        ]
+    )
+    with SyncAudit() as audit:
+        runner.model.forward(ids, positions, metadata, runner.kv_cache)
+    assert dict(audit.ops) == {}

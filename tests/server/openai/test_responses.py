@@ -123,13 +123,14 @@ async def test_responses_a_json_schema_and_a_function_tool_whole_and_streamed(
                 model=MODEL, input=ASKED, max_output_tokens=200, text={"format": fmt}
             )
             choice = {"type": "function", "name": "get_weather"}
+            # Greedy: the whole and the streamed answers are compared, token for token.
             called = client.responses.create(
                 model=MODEL, input="Weather in Paris?", tools=[WEATHER], tool_choice=choice,
-                max_output_tokens=100,
+                max_output_tokens=100, temperature=0,
             )  # fmt: skip
             with client.responses.stream(
                 model=MODEL, input="Weather in Paris?", tools=[WEATHER], tool_choice=choice,
-                max_output_tokens=100,
+                max_output_tokens=100, temperature=0,
             ) as stream:  # fmt: skip
                 streamed = list(stream)
                 final = stream.get_final_response()
