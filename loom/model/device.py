@@ -67,6 +67,18 @@ def available_memory(device: torch.device) -> int:
     return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
 
 
+def used_memory(device: torch.device) -> int:
+    """Bytes this process holds on the device: a GPU's allocated by torch, else the process's
+    resident memory."""
+    if device.type == "cuda":
+        return int(torch.cuda.memory_allocated(device))
+    try:
+        with open("/proc/self/statm") as statm:
+            return int(statm.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+    except OSError:
+        return 0
+
+
 def release_freed_memory() -> None:
     """Return the heap's freed pages to the system, where the C library is glibc (which keeps
     them otherwise): what loading freed, the float weights q4 packed into blocks above all."""

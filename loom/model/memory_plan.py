@@ -39,7 +39,7 @@ class MemoryPlan:
     bytes_per_block: int
     block_size: int
     num_blocks: int
-    in_use: int  # bytes allocated before the pool: the weights above all
+    in_use: int  # bytes held before the pool (a GPU's allocated, a CPU process's resident)
     activations: int = 0  # a profiled step's peak over `in_use` (a GPU's plan)
     graphs: int = 0  # the CUDA graphs' estimate
     total: int | None = None  # the device's bytes (a GPU's plan)
@@ -50,7 +50,7 @@ class MemoryPlan:
         parts = [f"memory plan on {self.device}:"]
         if self.total is not None and self.budget is not None:
             parts.append(f"total {self.total / GIB:.2f} GiB, budget {self.budget / GIB:.2f} GiB;")
-        parts.append(f"in use {self.in_use / GIB:.2f} GiB (weights),")
+        parts.append(f"in use {self.in_use / GIB:.2f} GiB (the model loaded),")
         if self.total is not None:
             parts.append(
                 f"activations {self.activations / GIB:.2f} GiB, graphs {self.graphs / GIB:.2f} GiB,"

@@ -28,7 +28,7 @@ from loom.core.speculative import emitted, sampling_rows
 from loom.core.step import ModelRunnerOutput, ScheduledSequence, SchedulerOutput, check_scheduled
 from loom.model.attention_metadata import AttentionMetadata, build_attention_metadata
 from loom.model.decoder import DecoderModel
-from loom.model.device import DTYPES, available_memory
+from loom.model.device import DTYPES, available_memory, used_memory
 from loom.model.drafter import Drafter, draft_model
 from loom.model.kv_cache import KVCache
 from loom.model.loader import LoadedModel
@@ -106,7 +106,7 @@ class ModelRunner:
         per_block, device = pools * self.kv_cache_shape.bytes_per_block, self.device
         if device.type != "cuda" or cache.num_blocks or cache.kv_cache_memory:
             num_blocks = cache.num_blocks_for(per_block, partial(available_memory, device))
-            in_use = torch.cuda.memory_allocated(device) if device.type == "cuda" else 0
+            in_use = used_memory(device)
             return MemoryPlan(
                 device=str(device),
                 bytes_per_block=per_block,

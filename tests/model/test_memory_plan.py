@@ -81,6 +81,7 @@ def test_memory_plan_runner_logs_its_plan(caplog: pytest.LogCaptureFixture) -> N
     with caplog.at_level(logging.INFO, logger="loom.model.model_runner"):
         runner = ModelRunner(tiny_model("llama"), CacheConfig(num_blocks=9, block_size=16))
     assert runner.plan.num_blocks == 9
+    assert runner.plan.in_use > 50 << 20  # the process: torch and the model at least
     assert "memory plan on cpu: in use" in caplog.text
     assert "KV pool" in caplog.text
     assert "9 blocks of 16 tokens (144 tokens" in caplog.text
