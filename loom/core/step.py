@@ -35,6 +35,16 @@ class SamplingInput:
     output_token_ids: tuple[int, ...] = ()
     constrained: bool = False  # its logits are masked to what its matcher allows
 
+    @property
+    def argmax_only(self) -> bool:
+        """Its token is the argmax of the raw logits: greedy, nothing that moves a logit
+        (penalties, logit_bias, min_tokens still unmet, a grammar), no logprobs."""
+        p = self.params
+        unmoved = not (p.has_penalties or p.logit_bias or self.constrained)
+        return (
+            p.greedy and unmoved and p.logprobs is None and self.num_output_tokens >= p.min_tokens
+        )
+
     @classmethod
     def of(cls, request: Request) -> SamplingInput:
         penalised = request.sampling.has_penalties

@@ -186,10 +186,15 @@ class ModelRunner:
         self, static: StaticDecode, sequences: Sequence[ScheduledSequence], masks: Masks | None
     ) -> ModelRunnerOutput:
         """A decode step the static step takes: its logits come out of it (the LM head too is
-        in its CUDA graph), one row a sequence."""
+        in its CUDA graph), one row a sequence; a step of plain greedy rows takes the tokens
+        the graph's argmax found, with no sampler."""
         for seq in sequences:
             check_scheduled(seq, self.block_size)
-        logits = static.run(sequences).logits
+        out = static.run(sequences)
+        if all(s.sampling is not None and s.sampling.argmax_only for s in sequences):
+            ids = static.read(out.argmax)  # sampled in the graph: greedy rows, nothing moved
+            return emitted(list(sequences), ids, [None] * len(ids), prompt_logprobs={})
+        logits = out.logits
         rows = [i for i, seq in enumerate(sequences) if seq.sampling is not None]
         if len(rows) < len(sequences):  # a one-token prompt chunk that does not end its prompt
             logits = logits[torch.tensor(rows, device=self.device)]

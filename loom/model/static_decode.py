@@ -49,6 +49,7 @@ FIELDS = 4  # input_ids, positions, slot_mapping, seq_lens: a row each in the bu
 class StaticOutput:
     hidden: torch.Tensor  # [rows, hidden]: the last layer's, before the final norm
     logits: torch.Tensor  # [rows, vocab], in the model's dtype
+    argmax: torch.Tensor  # [rows] each row's greedy token (the sampler's argmax: the first max)
 
 
 class StaticDecode:
@@ -79,6 +80,7 @@ class StaticDecode:
         self.block_tables = torch.zeros(rows, self.max_blocks, dtype=index, device=device)
         on_gpu = device.type == "cuda"
         self.copied = torch.cuda.Event() if on_gpu else None  # type: ignore[no-untyped-call]
+        self.sampled = torch.zeros(rows, dtype=torch.long, pin_memory=on_gpu)  # read back
         self.rotary = self.rotary_table()
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
         self.outputs: dict[int, StaticOutput] = {}
@@ -105,7 +107,9 @@ class StaticDecode:
         else:
             graph.replay()
             out = self.outputs[rows]
-        return StaticOutput(hidden=out.hidden[:num_seqs], logits=out.logits[:num_seqs])
+        return StaticOutput(
+            hidden=out.hidden[:num_seqs], logits=out.logits[:num_seqs], argmax=out.argmax[:num_seqs]
+        )
 
     def fill(self, sequences: Sequence[ScheduledSequence], rows: int) -> None:
         """Write the step's inputs into the buffers' first `rows` rows (see the worked example
@@ -163,7 +167,20 @@ class StaticDecode:
             key: (cos[positions], sin[positions]) for key, (cos, sin) in self.rotary.items()
         }
         hidden = self.model.forward(ids, positions, metadata, self.kv_cache, rotary=looked_up)
-        return StaticOutput(hidden=hidden, logits=self.model.compute_logits(hidden))
+        logits = self.model.compute_logits(hidden)
+        argmax = logits[:, : self.model.vocab_size].max(dim=-1).indices
+        return StaticOutput(hidden=hidden, logits=logits, argmax=argmax)
+
+    def read(self, token_ids: torch.Tensor) -> list[int]:
+        """The step's tokens [S] on the host: one copy into pinned memory, then the wait for
+        it (a GPU's), the step's one read back."""
+        if self.copied is None:
+            return [int(t) for t in token_ids.tolist()]
+        host = self.sampled[: len(token_ids)]
+        host.copy_(token_ids, non_blocking=True)
+        self.copied.record()
+        self.copied.synchronize()
+        return [int(t) for t in host.tolist()]
 
     def rotary_table(self) -> dict[object, RotaryTable]:
         """cos and signed sin [max_model_len, 1, rotary_dim] per table, every position's."""

@@ -168,3 +168,27 @@ def test_static_decode_buckets_are_powers_of_two_up_to_the_largest() -> None:
     )
     assert not runner.static.takes([prefill])
     assert not runner.static.takes(decode_step([1] * 257))
+
+
+def test_static_decode_plain_greedy_rows_take_the_graph_s_argmax() -> None:
+    """A step of plain greedy rows (nothing moving a logit, no logprobs) takes its tokens from
+    the argmax inside the step, with no sampler: the dynamic step's tokens. One row asking for
+    logprobs sends the step through the sampler."""
+    dynamic, static = runners(tiny_model("llama"))
+    plain = SamplingInput(
+        params=SamplingParams(temperature=0), num_output_tokens=0, eos_token_ids=()
+    )
+    sequences = [attrs.evolve(seq, sampling=plain) for seq in decode_step([3, 40, 11, 7, 0])]
+    calls = []
+    sample = static.sampler.sample
+    static.sampler.sample = lambda *args: calls.append(1) or sample(*args)  # type: ignore[method-assign]
+    step = SchedulerOutput(sequences=tuple(sequences))
+    assert static.execute_model(step) == dynamic.execute_model(step)
+    assert calls == []
+    logprobs = attrs.evolve(plain, params=SamplingParams(temperature=0, logprobs=1))
+    mixed = (attrs.evolve(sequences[0], sampling=logprobs), *sequences[1:])
+    assert (
+        static.execute_model(SchedulerOutput(sequences=mixed)).token_ids
+        == dynamic.execute_model(SchedulerOutput(sequences=mixed)).token_ids
+    )
+    assert calls == [1]
