@@ -19,6 +19,7 @@ from collections.abc import Callable, Sequence
 from typing import Any, TypeVar
 
 import attrs
+import torch
 import trio
 
 from loom.bench import command as bench_command
@@ -28,6 +29,7 @@ from loom.chaos import command as chaos_command
 from loom.client import health
 from loom.engine.config import EngineConfig
 from loom.engine.engine import Engine
+from loom.model.device import resolve_device
 from loom.model.family import UnsupportedModelError
 from loom.model.loader import ModelConfig
 from loom.model.sim import SimRunner, is_sim, load_sim
@@ -122,6 +124,8 @@ def settings_from(args: argparse.Namespace, config: type[T]) -> T:
 def serve(args: argparse.Namespace) -> int:
     model = settings_from(args, ModelConfig)
     engine_config = settings_from(args, EngineConfig)
+    if model.model is None or not is_sim(model.model):
+        engine_config = for_device(engine_config, resolve_device(model.device), vars(args))
     if model.model is not None and is_sim(model.model):
         if model.task == "embed":
             raise SystemExit("loom serve: --task embed: the simulated model pools nothing")
@@ -142,6 +146,13 @@ def serve(args: argparse.Namespace) -> int:
             raise
         raise refused from None
     return server.exit_code
+
+
+def for_device(config: EngineConfig, device: torch.device, given: dict[str, Any]) -> EngineConfig:
+    """`config` with a GPU's step limits where its device is one and no flag set them."""
+    if device.type != "cuda":
+        return config
+    return attrs.evolve(config, scheduler=config.scheduler.on_gpu(set(given)))
 
 
 def model_refusal(group: BaseExceptionGroup[BaseException]) -> UnsupportedModelError | None:

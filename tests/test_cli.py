@@ -11,7 +11,7 @@ import attrs
 import pytest
 import torch
 
-from loom.cli import SERVE_CONFIGS, add_settings, parser, settings_from
+from loom.cli import SERVE_CONFIGS, add_settings, for_device, parser, settings_from
 from loom.core.config import CacheConfig, SchedulerConfig
 from loom.core.setting import at_least, byte_size, setting
 from loom.engine.config import EngineConfig
@@ -140,3 +140,17 @@ def test_loom_serve_refuses_cuda_where_torch_sees_no_gpu_before_it_listens() -> 
     assert "loom: device 'cuda' asked for, but torch sees no CUDA GPU" in result.stderr
     assert "listening" not in result.stderr
     assert "Traceback" not in result.stderr
+
+
+def test_serve_on_a_gpu_takes_its_step_limits_where_no_flag_sets_them() -> None:
+    """256 sequences and 8192 tokens a step on a GPU (vLLM's), unless a flag says; a CPU keeps
+    64 and 512."""
+    args = parser().parse_args(["serve", "--max-num-seqs", "32"])
+    config = settings_from(args, EngineConfig)
+    gpu = for_device(config, torch.device("cuda"), vars(args)).scheduler
+    assert (gpu.max_num_seqs, gpu.max_num_batched_tokens) == (32, 8192)
+    cpu = for_device(config, torch.device("cpu"), vars(args)).scheduler
+    assert (cpu.max_num_seqs, cpu.max_num_batched_tokens) == (32, 512)
+    bare = parser().parse_args(["serve"])
+    plain = for_device(settings_from(bare, EngineConfig), torch.device("cuda"), vars(bare))
+    assert (plain.scheduler.max_num_seqs, plain.scheduler.max_num_batched_tokens) == (256, 8192)

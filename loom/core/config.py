@@ -69,10 +69,31 @@ class CacheConfig:
         return num_blocks
 
 
+# A GPU's step limits where no flag sets them (vLLM's): a decode step of 256 sequences costs a
+# GPU little more than one of 64, and a prompt chunk of 8192 tokens little more than one of 512.
+GPU_MAX_NUM_SEQS = 256
+GPU_MAX_NUM_BATCHED_TOKENS = 8192
+
+
 @attrs.frozen(kw_only=True)
 class SchedulerConfig:
-    max_num_seqs: int = setting(64, "most sequences in one step", check=at_least(1))
-    max_num_batched_tokens: int = setting(512, "most tokens in one step", check=at_least(1))
+    max_num_seqs: int = setting(
+        64, "most sequences in one step (a GPU's default: 256)", check=at_least(1)
+    )
+    max_num_batched_tokens: int = setting(
+        512, "most tokens in one step (a GPU's default: 8192)", check=at_least(1)
+    )
+
+    def on_gpu(self, given: set[str]) -> SchedulerConfig:
+        """These limits for a GPU: the GPU's default for each one not `given` (by a flag)."""
+        return attrs.evolve(
+            self,
+            max_num_seqs=self.max_num_seqs if "max_num_seqs" in given else GPU_MAX_NUM_SEQS,
+            max_num_batched_tokens=self.max_num_batched_tokens
+            if "max_num_batched_tokens" in given
+            else GPU_MAX_NUM_BATCHED_TOKENS,
+        )
+
     scheduling_policy: str = setting(
         "fair",
         "fair: tenants share by weight (loom/core/fair_share.py), each one's requests by "
