@@ -36,8 +36,19 @@ class Experts:
             weights /= weights.sum(dim=-1, keepdim=True)
         weights = weights.to(logits.dtype)
         out = torch.zeros_like(x)
-        for expert in torch.unique(chosen).tolist():  # ascending
-            tokens, slot = torch.where(chosen == expert)
+        # The (token, slot) pairs grouped by expert, ascending, each group in row order (what
+        # torch.where(chosen == e) gives, expert by expert): one stable sort, and one read back,
+        # the groups' sizes, where a where and a unique each were a wait for the device.
+        flat = chosen.flatten()
+        order = torch.sort(flat, stable=True).indices
+        counts = torch.zeros(self.router.shape[0], dtype=torch.long, device=x.device)
+        sizes: list[int] = counts.scatter_add_(0, flat, torch.ones_like(flat)).tolist()
+        start = 0
+        for expert, size in enumerate(sizes):
+            if size == 0:
+                continue
+            pairs, start = order[start : start + size], start + size
+            tokens, slot = pairs // self.top_k, pairs % self.top_k
             gate, up = F.linear(x[tokens], self.gate_up[expert]).chunk(2, dim=-1)
             y = F.linear(F.silu(gate) * up, self.down[expert])
             out.index_add_(0, tokens, y * weights[tokens, slot, None])

@@ -26,6 +26,7 @@ from loom.model.model_runner import ModelRunner
 from tests.conftest import FAMILIES, tiny_model
 from tests.model.test_blocks import as_if_from_a_gguf
 from tests.support.greedy import GreedyRequest, reference_tokens, run_greedy
+from tests.support.sync_audit import SyncAudit
 
 WINDOW = 12
 HEAD = {"head_dim": 16}
@@ -241,3 +242,17 @@ def test_gemma3_keeps_attn_logit_softcapping_unapplied_as_transformers_does() ->
 
 def test_every_family_has_a_case() -> None:
     assert {family for family, _ in CASES.values()} == set(FAMILIES)
+
+
+def test_a_mixture_of_experts_groups_its_tokens_without_waiting_on_the_device() -> None:
+    """An MoE layer finds each expert's tokens by one sort, reading back only the groups' sizes
+    (a where per expert and a unique were each a wait for the device): no data-sized op in its
+    forward; the logits are transformers' still (test_family_logits_match_transformers)."""
+    loaded = case_model("qwen2-moe-norm-window")
+    runner = ModelRunner(loaded, CacheConfig(num_blocks=32, block_size=4))
+    experts = runner.model.layers[1].experts
+    assert experts is not None
+    x = torch.randn(9, loaded.model.config.hidden_size)
+    with SyncAudit() as audit:
+        experts(x, None)
+    assert dict(audit.ops) == {}
