@@ -4,6 +4,7 @@ against a launched server."""
 from __future__ import annotations
 
 import json
+import shutil
 import statistics
 import subprocess
 import sys
@@ -162,7 +163,10 @@ def bench_stage(device: torch.device, tiny: bool, out: Path) -> Result:
     budget = "" if tiny else " --max-num-batched-tokens 8192"  # a GPU's prefill budget
     command += [f"--serve-args=--device {device} --max-num-seqs {max(sizes)}{budget}"]
     began = time.monotonic()
-    done = subprocess.run(command, cwd=ROOT, capture_output=True, text=True)
+    try:
+        done = subprocess.run(command, cwd=ROOT, capture_output=True, text=True)
+    finally:
+        shutil.rmtree(folder, ignore_errors=True)  # the saved model: 270 MB on the GPU's shape
     print(done.stdout[-20000:], done.stderr[-20000:], sep="\n")
     if done.returncode != 0:
         return {"status": "failed", "line": (done.stderr.strip().splitlines() or ["?"])[-1][:200]}

@@ -40,6 +40,7 @@ class Sampler:
     def __init__(self, vocab_size: int, device: torch.device) -> None:
         self.vocab_size = vocab_size
         self.device = device
+        self.columns = torch.arange(vocab_size, dtype=torch.int32, device=device)  # the noise's
 
     def sample(
         self, logits: torch.Tensor, rows: Sequence[SamplingInput], masks: Masks | None = None
@@ -176,7 +177,7 @@ class Sampler:
             probs = probs.masked_fill(probs < floor, 0.0)
         keys = row_keys([r.params for r in rows], [r.num_output_tokens for r in rows])
         if token_ids is None:
-            token_ids = torch.arange(logits.shape[-1], dtype=torch.int32, device=logits.device)
+            token_ids = self.columns[: logits.shape[-1]]
         noise = exponential_noise(keys.to(logits.device), token_ids.to(torch.int32))
         return (probs / noise).max(dim=-1).indices
 

@@ -13,8 +13,8 @@ tokens its grammar allows draws, for each of them, exactly the noise the full ro
 
 Worked example: key 5, token 3: x = 5 ^ (3 * 0x9E3779B9 mod 2^32); x ^= x >> 16;
 x *= 0x85EBCA6B; x ^= x >> 13; x *= 0xC2B2AE35; x ^= x >> 16 (all mod 2^32, shifts logical);
-u = ((x >> 8) + 0.5) / 2^24; q = -log(u). On 2 CPU cores 64 rows of 49,152 tokens take 14 ms,
-against 45 ms for torch's `exponential_` (measured).
+u = ((x >> 8) + 0.5) / 2^24; q = -log(u). On 2 cores of an AMD EPYC (Zen 5), alone, 64 rows of
+49,152 tokens took 14 ms, against 45 ms for torch's `exponential_` (measured in one run).
 """
 
 from __future__ import annotations
