@@ -90,7 +90,7 @@ def test_loom_help_lists_every_serve_setting() -> None:
     help_text = subprocess.run([*LOOM, "--help"], capture_output=True, text=True, check=True).stdout
     configs = (*SERVE_CONFIGS, CacheConfig, SchedulerConfig, BoundaryConfig, TenantConfig)
     flags = [flag for config in configs for flag in settings_of(config)]
-    assert len(flags) == 53
+    assert len(flags) == 54
     for flag in flags:
         assert flag in help_text
 

@@ -107,6 +107,12 @@ class SchedulerConfig:
         "tenant's first; one always runs",
         check=in_range(0, 60, low_open=True),
     )
+    async_scheduling: bool = setting(
+        True,
+        "overlap steps (vLLM's async scheduling): step N + 1 is scheduled and launched before "
+        "step N's tokens are applied, which happens while N + 1 runs; a request that step N "
+        "finishes computes one token more, never emitted. Off under speculative decoding",
+    )
     speculative: SpeculativeConfig = attrs.field(factory=SpeculativeConfig)
 
 

@@ -15,8 +15,18 @@ from typing import Any
 import attrs
 
 from loom.core.detokenizer import IncrementalDetokenizer
-from loom.core.request import Request
+from loom.core.request import Request, RequestStatus
 from loom.core.request_output import FinishReason, Logprobs, RequestOutput, Timings, Usage
+
+
+@attrs.frozen
+class Taken:
+    """A request's tokens of a step, taken up to the first that ends it."""
+
+    delta: RequestOutput | None  # their one delta (None: no token)
+    status: RequestStatus | None  # how the request ends (None: it goes on)
+    num_tokens: int
+    grammar_seconds: float  # what its matcher's consumes of them took
 
 
 class OutputProcessor:
@@ -52,6 +62,27 @@ class OutputProcessor:
             finish_reason=None if stop is None else FinishReason.STOP_SEQUENCE,
             stop_reason=stop,
         )
+
+    def take(
+        self, request: Request, tokens: list[tuple[int, Logprobs | None]], now: float
+    ) -> Taken:
+        """A request's new tokens taken, each detokenised, up to the first that ends it (a
+        token stop or a stop string), or that ends its thinking (the tokens after it were
+        drafted unconstrained)."""
+        deltas, status, seconds = [], None, 0.0
+        for token_id, logprobs in tokens:
+            bound = request.take(token_id)
+            if request.matcher is not None:
+                seconds += request.matcher.step_seconds
+            if request.first_token_time is None:
+                request.first_token_time = now
+            status = request.stop_status()
+            deltas.append(self.new_token(request, logprobs, last=status is not None))
+            if deltas[-1].finish_reason is FinishReason.STOP_SEQUENCE:
+                status = RequestStatus.FINISHED_STOP_SEQUENCE
+            if status is not None or bound:
+                break
+        return Taken(merged(deltas) if deltas else None, status, len(deltas), seconds)
 
     def final(
         self, request: Request, now: float, delta: RequestOutput | None = None

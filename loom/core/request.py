@@ -77,9 +77,14 @@ class Request:
     deadline: float | None = None
     output_token_ids: list[int] = attrs.field(factory=list)
     num_computed_tokens: int = 0
+    # Tokens sampled in steps scheduled and not yet applied (overlapped scheduling,
+    # loom/core/scheduler.py): counted in `num_tokens`, their values not yet known.
+    num_output_placeholders: int = 0
+    num_steps_in_flight: int = 0  # steps scheduled with it and not yet applied
     status: RequestStatus = RequestStatus.WAITING
     num_preemptions: int = 0
     paused_since: float | None = None  # its consumer's buffer is full: not scheduled
+    output_room: int | None = None  # outputs its consumer's buffer took more, at the last
     first_scheduled_time: float | None = None
     first_token_time: float | None = None
     last_step: int = -1  # the scheduler's count of steps when it was last in one
@@ -117,7 +122,27 @@ class Request:
 
     @property
     def num_tokens(self) -> int:
+        """Prompt, output, and the output's placeholders."""
+        return self.num_known_tokens + self.num_output_placeholders
+
+    @property
+    def num_known_tokens(self) -> int:
+        """Prompt and output: the tokens whose values are known."""
         return len(self.prompt_token_ids) + len(self.output_token_ids)
+
+    def scheduled(self, num_new: int, samples: bool) -> None:
+        """A step computes `num_new` more of its tokens, counted at once, and (`samples`) a
+        token after them, a placeholder until the step is applied (loom/core/overlap.py)."""
+        self.num_computed_tokens += num_new
+        self.num_output_placeholders += samples
+        self.num_steps_in_flight += 1
+
+    def applied(self, num_accepted: int, sampled: bool) -> None:
+        """That step's result is in: its accepted drafts computed too, its placeholder gone
+        (the token, if any, is taken next)."""
+        self.num_computed_tokens += num_accepted
+        self.num_output_placeholders -= sampled
+        self.num_steps_in_flight -= 1
 
     def token_ids(self, start: int, end: int) -> tuple[int, ...]:
         """Tokens `start:end` of prompt + output, without copying the whole of either."""

@@ -5,16 +5,13 @@ output). Every step hands out at most `max_num_batched_tokens` tokens over at mo
 `max_num_seqs` sequences. There is no separate prefill phase: a running request gets what it
 lacks, up to the budget left (a decode needs one token, a long prompt takes a chunk), so prompts
 are prefilled in chunks alongside running decodes. A request whose tokens are all computed
-after a step samples a new token. With speculative decoding (loom/core/speculative.py) a
-request in its decode phase also computes draft tokens, within the budget and only if blocks
-for them are free; `update` keeps the accepted ones, rolls `num_computed_tokens` back past the
-rejected ones and releases the blocks that held only those.
+after a step samples a new token. With speculative decoding a request in its decode phase
+also computes draft tokens, of which `update` keeps the accepted (loom/core/speculative.py).
 
 Order: running requests first, in arrival order, skipping paused ones (their consumer's buffer
 is full). When a running request cannot get blocks, a victim is preempted: its blocks are freed,
 its progress forgotten (it recomputes prompt + output later) and it goes back to the front of the
-queue. Victims: paused requests first (the longest paused first), then (fair) the most served
-tenant's, the lowest priority, the latest admitted. Waiting requests are admitted only in
+queue, paused requests first, then the policy's choice. Waiting requests are admitted only in
 steps that preempted nothing; a preempted one resumes once blocks for all its tokens are free.
 Constrained rows past the step's mask budget wait a step (loom/core/mask_budget.py). The
 `scheduling_policy` (loom/core/policy.py: fair, priority, fcfs) orders admission, picks victims.
@@ -29,19 +26,23 @@ A client that stops reading holds nothing others need: a paused request counts a
 `max_num_seqs` nor the queue limits, and paused requests are preempted to make room for a
 waiting one (they recompute once their consumer reads again).
 
-The step goes one way: `schedule` makes a `SchedulerOutput` (plain data), the model runner
-returns a `ModelRunnerOutput`, and `update` applies it in one pass: computed tokens, then each
-sampled token, detokenised (loom/core/output_processor.py), and every stop it makes (EOS, stop
-token ids, max_tokens, which admission keeps within the context length, and stop strings): its
-output is a delta or, for a request it finished, the final one. `finish` is the one place a
-request ends, whatever ends it (a token stop, a stop string, an abort, a deadline, a stall,
-shutdown, a refusal): its blocks are freed there, once. A request finished while its step
-runs keeps that finish; the step's token for it is dropped (timers: loom/core/expiry.py).
+The step goes one way: `schedule` makes a `SchedulerOutput` (plain data), counting its tokens
+as computed and its sampled tokens as placeholders at once, so that the next step may be
+scheduled before it is applied (overlapped scheduling, loom/core/overlap.py: a request in
+flight is never preempted); the model runner returns a `ModelRunnerOutput`, and `update`
+applies it in one pass: accepted drafts, then each sampled token, detokenised
+(loom/core/output_processor.py), and every stop it makes (EOS, stop token ids, max_tokens,
+which admission keeps within the context length, and stop strings): its output is a delta
+or, for a request it finished, the final one. `finish` is the one place a request ends,
+whatever ends it (a token stop, a stop string, an abort, a deadline, a stall, shutdown, a
+refusal): its blocks are freed there, once. A request finished while its step runs keeps that
+finish; the step's token for it is dropped (timers: loom/core/expiry.py).
 """
 
 from __future__ import annotations
 
 from collections import Counter, deque
+from functools import partial
 
 import attrs
 
@@ -49,13 +50,16 @@ from loom.core.block_manager import BlockManager
 from loom.core.config import SchedulerConfig
 from loom.core.fair_share import FairShare
 from loom.core.mask_budget import within_mask_budget
-from loom.core.output_processor import OutputProcessor, merged
+from loom.core.output_processor import OutputProcessor
+from loom.core.overlap import in_flight, waits_for_flight
 from loom.core.policy import Policy, make_room, policy_named, victim_of
 from loom.core.prefix_cache import cache_full_blocks, cached_prefix
 from loom.core.request import FINISH_REASONS, Request, RequestStatus
-from loom.core.request_output import FinishReason, Logprobs, RequestOutput
+from loom.core.request_output import FinishReason, RequestOutput
 from loom.core.speculative import Speculation
 from loom.core.step import ModelRunnerOutput, ScheduledSequence, SchedulerOutput
+
+Chosen = list[tuple[Request, int]]  # a step's requests so far, with their new tokens' counts
 
 
 @attrs.define
@@ -108,17 +112,23 @@ class Scheduler:
 
     def schedule(self, now: float) -> SchedulerOutput | None:
         budget = self.config.max_num_batched_tokens
-        chosen: list[tuple[Request, int]] = []
+        chosen: Chosen = []
+        deferred: set[Request] = set()  # victims in flight: out of this step (overlap.py)
         for victim in self.policy.rebalance(self.waiting, self.running, self.config.max_num_seqs):
-            self.preempt(victim)
+            if in_flight(victim):
+                deferred.add(victim)
+            else:
+                self.preempt(victim)
         num_preemptions = self.num_preemptions
         for request in list(self.running):
             if budget == 0 or len(chosen) == self.config.max_num_seqs:
                 break  # (running requests resumed from a pause can outnumber the slots)
             if request.paused or request.status is not RequestStatus.RUNNING:
                 continue  # paused, or preempted earlier in this loop
+            if waits_for_flight(request) or request in deferred:
+                continue
             num_new = min(request.num_tokens - request.num_computed_tokens, budget)
-            if self.reserve(request, num_new, chosen):
+            if self.reserve(request, num_new, chosen, deferred):
                 chosen.append((request, num_new))
                 budget -= num_new
         if self.num_preemptions == num_preemptions:
@@ -143,28 +153,35 @@ class Scheduler:
             num_drafts = len(drafts.get(request.request_id, ())) + slots.get(request.request_id, 0)
             self.fair.served(request.tenant, num_new + num_drafts, end == request.num_tokens)
         table = self.block_manager.block_table
-        scheduled = (
+        scheduled = tuple(
             ScheduledSequence.of(r, n, table(r.request_id), drafts, slots) for r, n in chosen
         )
-        return SchedulerOutput(sequences=tuple(scheduled))
+        for (request, num_new), seq in zip(chosen, scheduled, strict=True):
+            request.scheduled(num_new, seq.sampling is not None)
+        return SchedulerOutput(sequences=scheduled)
 
-    def reserve(self, request: Request, num_new: int, chosen: list[tuple[Request, int]]) -> bool:
+    def reserve(
+        self, request: Request, num_new: int, chosen: Chosen, deferred: set[Request]
+    ) -> bool:
         """Blocks for `num_new` more tokens of a running request, preempting others (not those
         already `chosen` for this step) if need be. False when the request itself had to be
-        preempted."""
+        preempted, or the victim is in flight (it is `deferred`: preempted next step)."""
         while not self.block_manager.allocate(
             request.request_id, request.num_computed_tokens + num_new
         ):
-            victim = self.pick_victim(exclude=[r for r, _ in chosen])
+            taken = {r for r, _ in chosen}
+            victim = victim_of([r for r in self.running if r not in taken], self.policy)
+            if in_flight(victim):  # its blocks are being written: it yields them next step
+                deferred.add(victim)
+                return False
             self.preempt(victim)
             if victim is request:
                 return False
         return True
 
-    def pick_victim(self, exclude: list[Request]) -> Request:
-        return victim_of([r for r in self.running if r not in exclude], self.policy)
-
     def preempt(self, request: Request) -> None:
+        if in_flight(request):  # (its blocks are being written: `reserve` defers it)
+            raise ValueError(f"request {request.request_id} preempted with a step in flight")
         self.block_manager.free(request.request_id)
         self.running.remove(request)
         request.status = RequestStatus.PREEMPTED
@@ -173,8 +190,12 @@ class Scheduler:
         self.num_preemptions += 1
         self.waiting.appendleft(request)
 
-    def admit_waiting(self, chosen: list[tuple[Request, int]], budget: int) -> None:
+    def admit_waiting(self, chosen: Chosen, budget: int) -> None:
         bm = self.block_manager
+        # Blocks for a request's tokens, after preempting paused ones that are not in flight
+        # if that frees enough (loom/core/policy.py):
+        idle = [r for r in self.running if not in_flight(r)]
+        room = partial(make_room, bm, running=idle, policy=self.policy, preempt=self.preempt)
         num_active = self.num_active()  # counted once: this loop may see thousands waiting
         # Ordered on the first `next`: once there is room.
         order = self.policy.admission_order(self.waiting, self.running)
@@ -183,13 +204,13 @@ class Scheduler:
                 return
             cached = cached_prefix(bm, request)
             num_cached = len(cached) * bm.block_size
-            if request.status is RequestStatus.PREEMPTED and not self.make_room(
+            if request.status is RequestStatus.PREEMPTED and not room(
                 request.request_id, request.num_tokens + 1, cached
             ):
                 return
             num_new = min(request.num_tokens - num_cached, budget)
             if not (
-                self.make_room(request.request_id, num_cached + num_new, cached)
+                room(request.request_id, num_cached + num_new, cached)
                 and bm.allocate(request.request_id, num_cached + num_new, cached)
             ):
                 return
@@ -204,12 +225,6 @@ class Scheduler:
             chosen.append((request, num_new))
             budget -= num_new
             num_active += 1
-
-    def make_room(self, request_id: str, num_tokens: int, cached: list[int]) -> bool:
-        """Whether blocks for `num_tokens` of a waiting request (with its `cached` prefix) are
-        free, after preempting paused requests if that frees enough (loom/core/policy.py)."""
-        bm, running = self.block_manager, self.running
-        return make_room(bm, request_id, num_tokens, cached, running, self.policy, self.preempt)
 
     def update(
         self, output: SchedulerOutput, result: ModelRunnerOutput, now: float, rate: float = 0.0
@@ -226,17 +241,23 @@ class Scheduler:
                 continue  # finished while the step ran
             tokens, drafts = emitted.get(seq.request_id, []), result.drafts.get(seq.request_id, ())
             num_accepted = self.spec.verified(request, seq, drafts, len(tokens))
-            request.num_computed_tokens += len(seq.token_ids) - len(seq.draft_token_ids)
-            request.num_computed_tokens += num_accepted
+            request.applied(num_accepted, seq.sampling is not None)
             request.prompt_logprobs += result.prompt_logprobs.get(seq.request_id, ())
             request.pool(result.pooled.get(seq.request_id), seq.pooling)
             if request.deadline is not None and now >= request.deadline:
                 tokens = []  # too late: dropped; `expired` finishes it as DEADLINE next
-            delta, status = self.take(request, tokens, now, rate)
+            taken = self.outputs.take(request, tokens, now)
+            self.num_generated_tokens += taken.num_tokens
+            self.fair.charge(request.tenant, taken.grammar_seconds * rate)
+            delta, status = taken.delta, taken.status
             # K/V computed past a stop, or past </think> (the next mask needs its last token):
             ends = request.num_tokens - (delta is not None and status is None)
             request.num_computed_tokens = min(request.num_computed_tokens, ends)
-            done = request.num_computed_tokens - request.draft_lag  # the draft model's K/V too
+            # What this step computed (a step ahead of it may have computed more), less what
+            # the draft model's K/V lack:
+            end = seq.num_computed_tokens + len(seq.token_ids) - len(seq.draft_token_ids)
+            end += num_accepted
+            done = min(end, request.num_computed_tokens) - request.draft_lag
             cache_full_blocks(self.block_manager, request, seq.computed_from, done)
             self.block_manager.slide(request.request_id, done)
             self.block_manager.trim(request.request_id, request.num_tokens)
@@ -246,27 +267,6 @@ class Scheduler:
             if delta is not None:
                 advanced.append((request, delta))
         return advanced
-
-    def take(
-        self, request: Request, tokens: list[tuple[int, Logprobs | None]], now: float, rate: float
-    ) -> tuple[RequestOutput | None, RequestStatus | None]:
-        """A request's new tokens taken, up to the first that ends it: their one delta (None
-        for none), and how the request ends (None: it goes on)."""
-        deltas, status = [], None
-        for token_id, logprobs in tokens:
-            bound = request.take(token_id)  # the tokens after it were drafted unconstrained
-            if request.matcher is not None:
-                self.fair.charge(request.tenant, request.matcher.step_seconds * rate)
-            if request.first_token_time is None:
-                request.first_token_time = now
-            self.num_generated_tokens += 1
-            status = request.stop_status()
-            deltas.append(self.outputs.new_token(request, logprobs, last=status is not None))
-            if deltas[-1].finish_reason is FinishReason.STOP_SEQUENCE:
-                status = RequestStatus.FINISHED_STOP_SEQUENCE
-            if status is not None or bound:
-                break
-        return (merged(deltas) if deltas else None), status
 
     def finish(self, request: Request, status: RequestStatus, error: str | None = None) -> bool:
         """End a request and free its blocks. Idempotent: False if it had already finished."""

@@ -22,6 +22,8 @@ from loom.core.request import PromptScoring, Request
 from loom.core.request_output import Logprobs
 from loom.core.sampling_params import SamplingParams
 
+PLACEHOLDER = 0  # a pending token's place in `token_ids`, until the runner fills it
+
 
 @attrs.frozen(kw_only=True)
 class SamplingInput:
@@ -50,7 +52,7 @@ class SamplingInput:
         penalised = request.sampling.has_penalties
         return cls(
             params=request.sampling,
-            num_output_tokens=len(request.output_token_ids),
+            num_output_tokens=len(request.output_token_ids) + request.num_output_placeholders,
             eos_token_ids=request.eos_token_ids,
             prompt_token_ids=request.prompt_token_ids if penalised else (),
             output_token_ids=tuple(request.output_token_ids) if penalised else (),
@@ -87,6 +89,10 @@ class ScheduledSequence:
     # the tokens before `token_ids` it has not computed (the last step kept all its drafts).
     num_draft_slots: int = 0
     draft_prefix: tuple[int, ...] = ()
+    # Overlapped scheduling: its one token is the one its request samples in the step launched
+    # before this one, not known when this was scheduled. `token_ids` holds a placeholder (0);
+    # the runner puts that token in its place (ModelRunner.launch).
+    pending_token: bool = False
 
     @property
     def computed_from(self) -> int:
@@ -107,9 +113,13 @@ class ScheduledSequence:
         start, end = request.num_computed_tokens, request.num_computed_tokens + num_new
         samples = end == request.num_tokens and request.sampling.pooling is None
         guess = drafts.get(request.request_id, ())
+        known = min(end, request.num_known_tokens)
+        pending = end - max(start, known)  # placeholders: 1 at most (a decode runs ahead)
+        if pending > 1 or (pending and guess):
+            raise ValueError(f"request {request.request_id}: {pending} placeholder tokens")
         return cls(
             request_id=request.request_id,
-            token_ids=request.token_ids(start, end) + guess,
+            token_ids=request.token_ids(start, known) + (PLACEHOLDER,) * pending + guess,
             num_computed_tokens=start,
             block_table=block_table,
             sampling=SamplingInput.of(request) if samples else None,
@@ -118,6 +128,7 @@ class ScheduledSequence:
             draft_token_ids=guess,
             num_draft_slots=slots.get(request.request_id, 0),
             draft_prefix=request.token_ids(start - request.draft_lag, start),
+            pending_token=pending > 0,
         )
 
 
@@ -154,6 +165,8 @@ def check_scheduled(seq: ScheduledSequence, block_size: int) -> None:
     drafts = seq.draft_token_ids
     if drafts and (seq.sampling is None or seq.token_ids[-len(drafts) :] != drafts):
         raise ValueError(f"request {seq.request_id}: drafts must end a sampling row's tokens")
+    if seq.pending_token and len(seq.token_ids) != 1:
+        raise ValueError(f"request {seq.request_id}: a pending token goes alone")
     num_tokens = seq.num_computed_tokens + len(seq.token_ids)
     if len(seq.block_table) * block_size < num_tokens:
         raise ValueError(

@@ -5,19 +5,23 @@ admitted requests; and the loop that steps them.
     submit ──▶ Admission ── admission task: tokenise, check ──▶ admit: scheduler.add_request
                                                                           │
     stepping loop: expire deadlines and stalls ──▶ scheduler.schedule ────┘
-        │ SchedulerOutput (plain data)
+        │ SchedulerOutput N + 1 (plain data)
         ▼
-    worker thread: runner.execute_model (forward, LM head on sampling rows, sample)
-        ‖ and another, for a step with constrained rows: their token masks (Grammars.fill)
-        │ ModelRunnerOutput (plain data)
+    worker thread: runner.launch (forward, LM head on sampling rows, sample), once N is
+        ‖ launched; and another, for a step with constrained rows: their masks (Grammars.fill)
+        │ meanwhile, on the trio thread, step N lands: its ModelRunnerOutput (plain data)
         ▼
     scheduler.update, one pass: tokens applied, detokenised, every stop made, finished
         │ (request, delta or final output), each request that received a token
         ▼
     publish: push the delta (pausing a request whose buffer is full), or end the stream
 
-The stepping loop owns all request state between steps. Aborts and resumes from consumers run
-in the trio thread and take effect at once; a request finished while its step runs keeps its
+Steps overlap (`--async-scheduling`, vLLM's): step N + 1 is scheduled and launched before step
+N's result is applied, so the device (or on a CPU the worker thread) computes N + 1 while the
+trio thread applies, detokenises and publishes N. It goes ahead only where N + 1 needs
+nothing of N's tokens but their places (loom/core/overlap.py); else N lands first. The
+stepping loop owns all request state between steps. Aborts and resumes from consumers run in
+the trio thread and take effect at once; a request finished while its step runs keeps its
 finish. Every event counted (steps, tokens, refusals, ended requests) goes to one observer
 (loom/engine/observer.py), which also publishes the stats a scrape reads.
 """
@@ -27,6 +31,7 @@ from __future__ import annotations
 import time
 from collections import Counter
 
+import attrs
 import trio
 
 from loom.core.block_manager import BlockManager
@@ -34,6 +39,7 @@ from loom.core.errors import EngineDeadError
 from loom.core.expiry import expired, next_timer
 from loom.core.fair_share import service
 from loom.core.output_processor import OutputProcessor
+from loom.core.overlap import step_runs_ahead
 from loom.core.request import Request, RequestStatus
 from loom.core.request_output import FinishReason, RequestOutput
 from loom.core.scheduler import Scheduler
@@ -44,10 +50,22 @@ from loom.engine.observer import Observer
 from loom.engine.request_stream import RequestStream
 from loom.engine.stats import EngineStats
 from loom.model.grammar import Drafted, GrammarMatcher
+from loom.model.launched import Launched
 from loom.model.loader import LoadedModel
 from loom.model.model_runner import ModelRunner
 
 STATS_EVERY = 0.1  # seconds between the stats published for scrapes while stepping
+
+
+@attrs.define(eq=False)
+class Flight:
+    """A step scheduled and launched, and not yet applied: `result` once `launched` is set."""
+
+    output: SchedulerOutput
+    matchers: list[Drafted]  # its constrained rows', in the sampler's order
+    start: float  # time.perf_counter() when its launch began
+    launched: trio.Event = attrs.field(factory=trio.Event)
+    result: Launched | None = None
 
 
 class EngineCore:
@@ -89,42 +107,81 @@ class EngineCore:
     def admit(self, submission: Submission, request: Request) -> None:
         self.observer.admitted(request)
         self.streams[request.request_id] = submission.stream
+        request.output_room = submission.stream.room
         self.scheduler.add_request(request)
         self.wakeup.set()
 
     async def stepping_loop(self) -> None:
-        while True:
-            self.wakeup = trio.Event()
-            self.expire(trio.current_time())
-            output = self.scheduler.schedule(trio.current_time())
-            if output is not None:
-                self.publish_stats(every=STATS_EVERY)
-                await self.step(output)
-            elif self.admission.done and not self.scheduler.has_unfinished():
-                self.publish_stats()
-                return
-            else:
-                self.publish_stats()
-                with trio.move_on_at(
-                    next_timer(self.scheduler.requests.values(), self.config.stall_timeout)
-                ):
-                    await self.wakeup.wait()
+        """Schedule, launch, apply, publish; one step ahead where the step allows
+        (loom/core/overlap.py): step N + 1 is launched before step N's result is applied,
+        and N's tokens are applied, detokenised and published while N + 1 runs."""
+        async with trio.open_nursery() as nursery:  # the launches
+            flight: Flight | None = None  # launched, and not yet applied
+            while True:
+                self.wakeup = trio.Event()
+                self.expire(trio.current_time())
+                ahead = flight is None or self.runs_ahead(flight)
+                launched = self.launch(nursery, after=flight) if ahead else None
+                if flight is not None:
+                    await self.land(flight)
+                elif launched is None:
+                    self.publish_stats()
+                    if self.admission.done and not self.scheduler.has_unfinished():
+                        return
+                    with trio.move_on_at(
+                        next_timer(self.scheduler.requests.values(), self.config.stall_timeout)
+                    ):
+                        await self.wakeup.wait()
+                flight = launched
 
-    async def step(self, output: SchedulerOutput) -> None:
-        start = time.perf_counter()
-        matchers = self.constrained(output)
+    def runs_ahead(self, flight: Flight) -> bool:
+        """Whether the next step may be launched before `flight` is applied."""
+        scheduler = self.scheduler
+        return step_runs_ahead(scheduler.config, scheduler.requests, flight.output)
+
+    def launch(self, nursery: trio.Nursery, after: Flight | None) -> Flight | None:
+        """The next step, scheduled and handed to the runner's thread (which launches it once
+        the step `after` is launched: a pending token is the last launch's); None if there is
+        nothing to step."""
+        output = self.scheduler.schedule(trio.current_time())
+        if output is None:
+            return None
+        self.publish_stats(every=STATS_EVERY)
+        flight = Flight(output, self.constrained(output), time.perf_counter())
+        nursery.start_soon(self.run_launch, flight, after)
+        return flight
+
+    async def run_launch(self, flight: Flight, after: Flight | None) -> None:
+        """The step launched in the runner's thread, once the step `after` is launched."""
+        if after is not None:
+            await after.launched.wait()
+        flight.start = time.perf_counter()  # (its time: the launch and its result's wait)
         # The constrained rows' masks, on a thread of their own while the forward runs; the
         # runner's thread waits for them after the forward (and gets a fill's error).
         grammars = self.admission.grammars
+        matchers = flight.matchers
         masks = grammars.masking.submit(grammars.fill, matchers) if matchers else None
-        result = await trio.to_thread.run_sync(
-            self.runner.execute_model,
-            output,
+        flight.result = await trio.to_thread.run_sync(
+            self.runner.launch,
+            flight.output,
             masks.result if masks else None,
             limiter=self.limiter,
             abandon_on_cancel=False,
         )
-        took = time.perf_counter() - start
+        flight.launched.set()
+
+    async def land(self, flight: Flight) -> None:
+        """A launched step's result applied (`Scheduler.update`) and published."""
+        await flight.launched.wait()
+        launched = flight.result
+        if launched is None:
+            raise RuntimeError("a step was launched without a result")
+        if launched.ready():
+            result = launched.output()
+        else:  # the device's copy of its tokens is not in yet: waited for off the event loop
+            result = await trio.to_thread.run_sync(launched.output, abandon_on_cancel=False)
+        output, matchers = flight.output, flight.matchers
+        took = time.perf_counter() - flight.start
         self.observer.stepped(len(output.sequences), took)
         # Each constrained row's tenant pays for what its token cost the grammar (its mask,
         # and its consume in `update`: Matcher.step_seconds) as for the service the step gave
@@ -160,8 +217,11 @@ class EngineCore:
         self.observer.token(request, len(output.token_ids), now)
         if output.finished:
             self.end_stream(request, output, now)
-        elif self.streams[request.request_id].push(output):
+            return
+        stream = self.streams[request.request_id]
+        if stream.push(output):
             self.scheduler.pause(request, now)
+        request.output_room = stream.room  # (a consumer may take some at once: it only grows)
 
     def expire(self, now: float) -> None:
         requests = self.scheduler.requests.values()
@@ -197,6 +257,7 @@ class EngineCore:
     def resume(self, request_id: str) -> None:
         """The consumer drained a full buffer: schedule the request again."""
         if self.scheduler.resume(request_id):
+            self.scheduler.requests[request_id].output_room = self.streams[request_id].room
             self.wakeup.set()
 
     def stats(self, tenant: str | None = None) -> EngineStats:

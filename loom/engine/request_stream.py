@@ -78,6 +78,12 @@ class RequestStream:
         self.wake()
         return full
 
+    @property
+    def room(self) -> int:
+        """How many outputs more fill the buffer (0: full)."""
+        with self.lock:
+            return max(self.capacity - len(self.buffer), 0)
+
     def abort(self) -> None:
         """Consumer side: done reading. The engine aborts the request unless it has finished."""
         self.on_abort()

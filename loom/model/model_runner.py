@@ -21,8 +21,6 @@ import attrs
 import torch
 
 from loom.core.config import CacheConfig, SchedulerConfig
-from loom.core.pooling import PoolRows
-from loom.core.request import PromptScoring
 from loom.core.request_output import Logprobs
 from loom.core.speculative import emitted, sampling_rows
 from loom.core.step import ModelRunnerOutput, ScheduledSequence, SchedulerOutput, check_scheduled
@@ -31,14 +29,14 @@ from loom.model.decoder import DecoderModel
 from loom.model.device import DTYPES, available_memory, used_memory
 from loom.model.drafter import Drafter, draft_model
 from loom.model.kv_cache import KVCache
+from loom.model.launched import Launched, SampledTokens
 from loom.model.loader import LoadedModel
 from loom.model.memory_plan import MemoryPlan, profiled_plan
-from loom.model.sampler import Masks, Sampler, token_logprobs
+from loom.model.prompt_rows import pool_hidden, score_prompt
+from loom.model.sampler import Masks, Sampler
 from loom.model.static_decode import MAX_GRAPH_SEQS, StaticDecode
 
 log = logging.getLogger(__name__)
-
-SCORE_ROWS = 256  # logits rows at a time when scoring a prompt: 256 x 49,152 floats is 50 MB
 
 
 class ModelRunner:
@@ -89,6 +87,7 @@ class ModelRunner:
                 max_seqs=max_seqs, graphs=graphs,
             )  # fmt: skip
         self.sampler = Sampler(self.model.vocab_size, self.device)
+        self.last_sampled = SampledTokens.none()  # the last launch's tokens (pending tokens')
         self.drafter: Drafter | None = None
         if draft is not None:
             pool = KVCache.allocate(self.kv_cache_shape, num_blocks, self.device)
@@ -143,12 +142,18 @@ class ModelRunner:
         be freed as a sequence grows); else None."""
         return self.model.family.kv_window
 
-    @torch.inference_mode()
     def execute_model(
         self, output: SchedulerOutput, masks: Masks | None = None
     ) -> ModelRunnerOutput:
+        """The step launched and its output waited for."""
+        return self.launch(output, masks).output()
+
+    @torch.inference_mode()
+    def launch(self, output: SchedulerOutput, masks: Masks | None = None) -> Launched:
         """One forward for the whole step, then one sampled token per sampling sequence;
-        `masks()` (waited for after the forward) gives the constrained rows' masks."""
+        `masks()` (waited for after the forward) gives the constrained rows' masks. A pending
+        token takes the last launch's (loom/model/launched.py); a greedy static step's output
+        waits for the device, which the launch does not."""
         sequences = output.sequences
         if not sequences:
             raise ValueError("a step needs at least one scheduled sequence")
@@ -161,44 +166,56 @@ class ModelRunner:
         hidden = self.forward(sequences)
         ends = torch.tensor([len(seq.token_ids) for seq in sequences]).cumsum(0)
         ended = list(zip(sequences, ends.tolist(), strict=True))
+        chunks = [(seq, hidden[end - len(seq.token_ids) : end]) for seq, end in ended]
         scored = {
-            seq.request_id: self.score(hidden[end - len(seq.token_ids) :], seq.scoring)
-            for seq, end in ended
-            if seq.scoring is not None
+            s.request_id: score_prompt(self.model, rows, s.scoring)
+            for s, rows in chunks
+            if s.scoring is not None
         }
         pooled = {
-            seq.request_id: self.pool(hidden[end - len(seq.token_ids) : end], seq.pooling)
-            for seq, end in ended
-            if seq.pooling is not None
+            s.request_id: pool_hidden(self.model, rows, s.pooling)
+            for s, rows in chunks
+            if s.pooling is not None
         }
         sampling = [(s, end) for s, end in ended if s.sampling is not None]
         if not sampling:
-            return ModelRunnerOutput(
-                request_ids=(), token_ids=(), logprobs=(), prompt_logprobs=scored, pooled=pooled
+            self.last_sampled = SampledTokens.none()
+            return Launched.done(
+                ModelRunnerOutput(
+                    request_ids=(), token_ids=(), logprobs=(), prompt_logprobs=scored, pooled=pooled
+                )
             )
         # A sequence's rows: its last position, or with k drafts its last k + 1 (one each).
         rows = [e - 1 - j for s, e in sampling for j in reversed(range(len(s.draft_token_ids) + 1))]
         logits = self.model.compute_logits(hidden[torch.tensor(rows, device=self.device)]).float()
         emits = self.sample([s for s, _ in sampling], logits, masks, scored)
-        return attrs.evolve(emits, pooled=pooled) if pooled else emits
+        return Launched.done(attrs.evolve(emits, pooled=pooled) if pooled else emits)
 
     def static_step(
         self, static: StaticDecode, sequences: Sequence[ScheduledSequence], masks: Masks | None
-    ) -> ModelRunnerOutput:
+    ) -> Launched:
         """A decode step the static step takes: its logits come out of it (the LM head too is
         in its CUDA graph), one row a sequence; a step of plain greedy rows takes the tokens
         the graph's argmax found, with no sampler."""
         for seq in sequences:
             check_scheduled(seq, self.block_size)
-        out = static.run(sequences)
+        out = static.run(sequences, self.last_sampled)
         if all(s.sampling is not None and s.sampling.argmax_only for s in sequences):
-            ids = static.read(out.argmax)  # sampled in the graph: greedy rows, nothing moved
-            return emitted(list(sequences), ids, [None] * len(ids), prompt_logprobs={})
+            # Sampled in the graph (greedy rows, nothing moved): read back once it is done.
+            readback = static.read(out.argmax)
+            ids = {seq.request_id: i for i, seq in enumerate(sequences)}
+            self.last_sampled = SampledTokens(ids, out.argmax)
+
+            def output() -> ModelRunnerOutput:
+                ids = readback.token_ids()
+                return emitted(list(sequences), ids, [None] * len(ids), prompt_logprobs={})
+
+            return Launched(output, readback.ready)
         logits = out.logits
         rows = [i for i, seq in enumerate(sequences) if seq.sampling is not None]
         if len(rows) < len(sequences):  # a one-token prompt chunk that does not end its prompt
             logits = logits[torch.tensor(rows, device=self.device)]
-        return self.sample([sequences[i] for i in rows], logits.float(), masks, {})
+        return Launched.done(self.sample([sequences[i] for i in rows], logits.float(), masks, {}))
 
     def sample(
         self,
@@ -207,33 +224,20 @@ class ModelRunner:
         masks: Masks | None,
         scored: dict[str, tuple[Logprobs, ...]],
     ) -> ModelRunnerOutput:
-        """Each sampling sequence's tokens from its rows of float32 `logits`."""
+        """Each sampling sequence's tokens from its rows of float32 `logits`; kept on the
+        device for the next step's pending tokens."""
         if not sequences:
+            self.last_sampled = SampledTokens.none()
             return ModelRunnerOutput(
                 request_ids=(), token_ids=(), logprobs=(), prompt_logprobs=scored
             )
         sampled = self.sampler.sample(logits, sampling_rows(sequences), masks)
+        rows, at = {}, 0
+        for seq in sequences:  # (a drafted sequence's rows: never a pending token's)
+            rows[seq.request_id] = at
+            at += len(seq.draft_token_ids) + 1
+        self.last_sampled = SampledTokens(rows, sampled.on_device)
         return emitted(sequences, sampled.token_ids, sampled.logprobs, prompt_logprobs=scored)
-
-    def pool(self, hidden: torch.Tensor, rows: PoolRows) -> tuple[float, ...]:
-        """An embedding's chunk (`hidden` its rows) pooled: after the final norm, the sum of
-        its rows from `rows.first_row` on, or that row alone (loom/core/pooling.py)."""
-        first = rows.first_row
-        normed = self.model.final_hidden(hidden[first:] if rows.mean else hidden[first : first + 1])
-        return tuple(normed.float().sum(0).tolist())
-
-    def score(self, hidden: torch.Tensor, scoring: PromptScoring) -> tuple[Logprobs, ...]:
-        """The log-probabilities of a chunk's next prompt tokens (`hidden` starts at the
-        chunk's first row), `SCORE_ROWS` rows of logits at a time."""
-        result: list[Logprobs] = []
-        next_ids = scoring.next_token_ids
-        for at in range(0, len(next_ids), SCORE_ROWS):
-            first = scoring.first_row + at
-            rows = hidden[first : first + min(SCORE_ROWS, len(next_ids) - at)]
-            logits = self.model.compute_logits(rows).float()[:, : self.vocab_size]
-            logprobs = torch.log_softmax(logits, dim=-1)
-            result += token_logprobs(logprobs, next_ids[at : at + len(rows)], scoring.num_top)
-        return tuple(result)
 
     @torch.inference_mode()
     def logits(self, seq: ScheduledSequence) -> torch.Tensor:
@@ -251,10 +255,15 @@ class ModelRunner:
         for seq in sequences:
             check_scheduled(seq, self.block_size)
         if model is None and self.static is not None and self.static.takes(sequences):
-            return self.static.run(sequences).hidden
+            return self.static.run(sequences, self.last_sampled).hidden
         model, kv_cache = model or self.model, kv_cache or self.kv_cache
+        input_ids = torch.tensor([t for seq in sequences for t in seq.token_ids])
+        starts = torch.tensor([0] + [len(seq.token_ids) for seq in sequences]).cumsum(0).tolist()
+        sources = self.last_sampled.sources(sequences)
+        input_ids = input_ids.to(self.device)
+        self.last_sampled.fill(input_ids, [starts[i] for i, _ in sources], [r for _, r in sources])
         return model.forward(
-            torch.tensor([t for seq in sequences for t in seq.token_ids], device=self.device),
+            input_ids,
             positions(sequences).to(self.device),
             self.attention_metadata(sequences, model),
             kv_cache,

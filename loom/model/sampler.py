@@ -34,6 +34,7 @@ LOGIT_CAP = 1e30  # / GREEDY_BELOW (1e-5) = 1e35, below float32's 3.4e38
 class SamplerOutput:
     token_ids: list[int]
     logprobs: list[Logprobs | None]
+    on_device: torch.Tensor  # token_ids, where the logits were (the next step's pending tokens)
 
 
 class Sampler:
@@ -78,9 +79,10 @@ class Sampler:
             index = torch.tensor(list(narrow), device=logits.device)
             token_ids[index] = self.sample_narrow(logits, narrow, rows)
         ids = token_ids.tolist()
-        if raw_logprobs is None:
-            return SamplerOutput(token_ids=ids, logprobs=[None] * len(ids))
-        return SamplerOutput(token_ids=ids, logprobs=gather_logprobs(raw_logprobs, ids, rows))
+        found: list[Logprobs | None] = (
+            [None] * len(ids) if raw_logprobs is None else gather_logprobs(raw_logprobs, ids, rows)
+        )
+        return SamplerOutput(token_ids=ids, logprobs=found, on_device=token_ids)
 
     def apply_penalties(self, logits: torch.Tensor, rows: Sequence[SamplingInput]) -> torch.Tensor:
         counts = self.token_counts([r.output_token_ids for r in rows])

@@ -32,9 +32,10 @@ import torch
 from loom.core.config import CacheConfig, SchedulerConfig
 from loom.core.request_output import Logprobs, TokenLogprob
 from loom.core.speculative import emitted, sampling_rows
-from loom.core.step import ModelRunnerOutput, SamplingInput, ScheduledSequence, SchedulerOutput
+from loom.core.step import SamplingInput, ScheduledSequence, SchedulerOutput
 from loom.model.family import UnsupportedModelError
 from loom.model.kv_cache import KVCacheShape
+from loom.model.launched import Launched
 from loom.model.loader import (
     LoadedModel,
     converted_gguf_folder,
@@ -153,6 +154,7 @@ class SimRunner(ModelRunner):
             dtype=torch.float32,
         )
         self.sim_blocks = cache.num_blocks or self.sim.blocks
+        self.last: dict[str, int] = {}  # the last launch's token of each request that sampled
 
     @property
     def num_blocks(self) -> int:
@@ -170,9 +172,8 @@ class SimRunner(ModelRunner):
     def kv_window(self) -> int | None:
         return None  # every key is attended
 
-    def execute_model(
-        self, output: SchedulerOutput, masks: Masks | None = None
-    ) -> ModelRunnerOutput:
+    def launch(self, output: SchedulerOutput, masks: Masks | None = None) -> Launched:
+        """The step slept and its tokens made; a pending token is the last launch's."""
         sequences = output.sequences
         num_tokens = sum(len(s.token_ids) for s in sequences)
         time.sleep(self.sim.step_seconds(len(sequences), num_tokens))
@@ -186,14 +187,17 @@ class SimRunner(ModelRunner):
             for i, allowed in zip(constrained, allowed_of(masks()), strict=True):
                 tokens[i] = first_allowed(tokens[i], allowed)
         found = [logprobs(row, t, self.sim.vocab) for row, t in zip(rows, tokens, strict=True)]
-        return emitted(sampling, tokens, found)
+        result = emitted(sampling, tokens, found)
+        self.last = dict(zip(result.request_ids, result.token_ids, strict=True))  # each one's last
+        return Launched.done(result)
 
     def token(self, seq: ScheduledSequence, row: int) -> int:
         """The next token at the sequence's `row`-th sampled position (its last, or with k
         drafts one of its last k + 1); a sampled request with a seed: that one moved by the
         seed, so that seeds repeat and differ as a real model's do."""
         at = len(seq.token_ids) - 1 - len(seq.draft_token_ids) + row  # the token sampled after
-        token = self.sim.next_token(seq.token_ids[at], seq.num_computed_tokens + at + 1)
+        last = self.last[seq.request_id] if seq.pending_token else seq.token_ids[at]
+        token = self.sim.next_token(last, seq.num_computed_tokens + at + 1)
         params = seq.sampling.params if seq.sampling is not None else None
         if params is None or params.greedy or params.seed is None:
             return token

@@ -40,6 +40,7 @@ from loom.core.step import ScheduledSequence
 from loom.model.attention_metadata import AttentionGroup, AttentionMetadata
 from loom.model.decoder import DecoderModel, RotaryTable
 from loom.model.kv_cache import KVCache
+from loom.model.launched import SampledTokens
 
 MAX_GRAPH_SEQS = 256  # the largest bucket: a step of more sequences runs dynamically
 FIELDS = 4  # input_ids, positions, slot_mapping, seq_lens: a row each in the buffers
@@ -72,15 +73,20 @@ class StaticDecode:
         self.max_blocks = -(-model.max_model_len // block_size)
         rows, device = self.buckets[-1], model.device
         index = torch.int64 if device.type == "cpu" else torch.int32  # the CPU kernel's: int64
-        # On the host (pinned on a GPU): the fields, then a step's tables packed [rows, width].
-        size = FIELDS * rows + rows * self.max_blocks
+        # On the host (pinned on a GPU): the fields, the pending tokens' rows and sources
+        # (loom/model/launched.py), then a step's tables packed [rows, width].
+        size = (FIELDS + 2) * rows + rows * self.max_blocks
         self.host = torch.zeros(size, dtype=index, pin_memory=device.type == "cuda")
         self.staged = torch.zeros(size, dtype=index, device=device)  # the host's, copied
         self.fields = self.staged[: FIELDS * rows].view(FIELDS, rows)
+        self.pending = self.staged[FIELDS * rows : (FIELDS + 2) * rows].view(2, rows)
         self.block_tables = torch.zeros(rows, self.max_blocks, dtype=index, device=device)
         on_gpu = device.type == "cuda"
         self.copied = torch.cuda.Event() if on_gpu else None  # type: ignore[no-untyped-call]
-        self.sampled = torch.zeros(rows, dtype=torch.long, pin_memory=on_gpu)  # read back
+        # Read back into two pinned buffers in turn: a step's tokens stay there while the
+        # next step (launched before they are read) writes the other.
+        self.readbacks = [Readback.pinned(rows, on_gpu) for _ in range(2)]
+        self.num_reads = 0
         self.rotary = self.rotary_table()
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
         self.outputs: dict[int, StaticOutput] = {}
@@ -97,10 +103,13 @@ class StaticDecode:
     def bucket(self, num_seqs: int) -> int:
         return next(b for b in self.buckets if b >= num_seqs)
 
-    def run(self, sequences: Sequence[ScheduledSequence]) -> StaticOutput:
-        """The step's last hidden states and logits, the sequences' rows."""
+    def run(
+        self, sequences: Sequence[ScheduledSequence], sampled: SampledTokens | None = None
+    ) -> StaticOutput:
+        """The step's last hidden states and logits, the sequences' rows; a pending token is
+        taken from `sampled` (the last step's)."""
         rows, num_seqs = self.bucket(len(sequences)), len(sequences)
-        self.fill(sequences, rows)
+        self.fill(sequences, rows, sampled)
         graph = self.graphs.get(rows)
         if graph is None:
             out = self.forward(rows)
@@ -111,20 +120,50 @@ class StaticDecode:
             hidden=out.hidden[:num_seqs], logits=out.logits[:num_seqs], argmax=out.argmax[:num_seqs]
         )
 
-    def fill(self, sequences: Sequence[ScheduledSequence], rows: int) -> None:
+    def fill(
+        self,
+        sequences: Sequence[ScheduledSequence],
+        rows: int,
+        sampled: SampledTokens | None = None,
+    ) -> None:
         """Write the step's inputs into the buffers' first `rows` rows (see the worked example
-        at the top), padded: built on the host, copied over in one piece (the fields, and the
-        tables packed as wide as this step's longest), and the tables spread on the device (a
+        at the top), padded: built on the host, copied over in one piece (the fields, the
+        pending tokens' rows and sources, and the tables packed as wide as this step's
+        longest); on the device the pending tokens are put in place and the tables spread (a
         table's entries past its sequence's blocks are never read: left as they were)."""
         if self.copied is not None:
             self.copied.synchronize()  # the last step's copy out of the host buffer is done
-        num_seqs, block_size, most = len(sequences), self.block_size, self.buckets[-1]
+        most, padding = self.buckets[-1], rows - len(sequences)
+        positions = self.write_fields(sequences, rows)
+        sampled = sampled or SampledTokens.none()
+        sources = sampled.sources(sequences)  # (row, its token's row in `sampled`) each
+        pending = self.host[FIELDS * most : (FIELDS + 2) * most].view(2, most)
+        pending[:, : len(sources)] = torch.tensor(sources, dtype=torch.long).view(-1, 2).T
+        width = max((p // self.block_size + 1 for p in positions), default=1)
+        tables = [
+            list(s.block_table[:width]) + [0] * (width - len(s.block_table)) for s in sequences
+        ]
+        first = (FIELDS + 2) * most
+        end = first + rows * width
+        self.host[first:end] = torch.tensor(tables + [[0] * width] * padding).view(-1)
+        # Asynchronous from pinned memory: the host buffer is written again only once the
+        # event recorded after the copy has passed (above).
+        self.staged[:end].copy_(self.host[:end], non_blocking=True)
+        if self.copied is not None:
+            self.copied.record()
+        if sources:  # the pending tokens put in place, from the device
+            at, source = self.pending[:, : len(sources)].long().unbind(0)
+            self.fields[0].index_copy_(0, at, sampled.token_ids[source].to(self.host.dtype))
+        self.block_tables[:rows, :width] = self.staged[first:end].view(rows, width)
+
+    def write_fields(self, sequences: Sequence[ScheduledSequence], rows: int) -> list[int]:
+        """The fields of the first `rows` rows into the host buffer; the sequences' positions."""
+        block_size, padding = self.block_size, rows - len(sequences)
         positions = [s.num_computed_tokens for s in sequences]
         slots = [
             s.block_table[p // block_size] * block_size + p % block_size
             for s, p in zip(sequences, positions, strict=True)
         ]
-        padding = rows - num_seqs
         fields = torch.tensor(
             [
                 [s.token_ids[0] for s in sequences] + [0] * padding,
@@ -133,19 +172,9 @@ class StaticDecode:
                 [p + 1 for p in positions] + [1] * padding,  # a padded row: the null block's key
             ]
         )
+        most = self.buckets[-1]
         self.host[: FIELDS * most].view(FIELDS, most)[:, :rows] = fields
-        width = max((p // block_size + 1 for p in positions), default=1)
-        tables = [
-            list(s.block_table[:width]) + [0] * (width - len(s.block_table)) for s in sequences
-        ]
-        end = FIELDS * most + rows * width
-        self.host[FIELDS * most : end] = torch.tensor(tables + [[0] * width] * padding).view(-1)
-        # Asynchronous from pinned memory: the host buffer is written again only once the
-        # event recorded after the copy has passed (above).
-        self.staged[:end].copy_(self.host[:end], non_blocking=True)
-        if self.copied is not None:
-            self.copied.record()
-        self.block_tables[:rows, :width] = self.staged[FIELDS * most : end].view(rows, width)
+        return positions
 
     def forward(self, rows: int) -> StaticOutput:
         """The model's forward and LM head over the buffers' first `rows` rows: reads the
@@ -171,16 +200,12 @@ class StaticDecode:
         argmax = logits[:, : self.model.vocab_size].max(dim=-1).indices
         return StaticOutput(hidden=hidden, logits=logits, argmax=argmax)
 
-    def read(self, token_ids: torch.Tensor) -> list[int]:
-        """The step's tokens [S] on the host: one copy into pinned memory, then the wait for
-        it (a GPU's), the step's one read back."""
-        if self.copied is None:
-            return [int(t) for t in token_ids.tolist()]
-        host = self.sampled[: len(token_ids)]
-        host.copy_(token_ids, non_blocking=True)
-        self.copied.record()
-        self.copied.synchronize()
-        return [int(t) for t in host.tolist()]
+    def read(self, token_ids: torch.Tensor) -> Readback:
+        """The step's tokens [S] on their way to the host: one copy into pinned memory (a
+        GPU's), the step's one read back, waited for when they are read."""
+        readback = self.readbacks[self.num_reads % 2]
+        self.num_reads += 1
+        return readback.start(token_ids)
 
     def rotary_table(self) -> dict[object, RotaryTable]:
         """cos and signed sin [max_model_len, 1, rotary_dim] per table, every position's."""
@@ -207,3 +232,40 @@ class StaticDecode:
                 self.outputs[rows] = self.forward(rows)
             self.graphs[rows] = graph
         torch.cuda.synchronize()
+
+
+@attrs.define
+class Readback:
+    """A pinned host buffer a step's tokens are copied into, and the event recorded after the
+    copy; on a CPU (no event) the tokens are read at once."""
+
+    host: torch.Tensor
+    copied: torch.cuda.Event | None
+    num_tokens: int = 0
+    known: list[int] = attrs.field(factory=list)  # a CPU's
+
+    @classmethod
+    def pinned(cls, rows: int, on_gpu: bool) -> Readback:
+        event = torch.cuda.Event() if on_gpu else None  # type: ignore[no-untyped-call]
+        return cls(torch.zeros(rows, dtype=torch.long, pin_memory=on_gpu), event)
+
+    def start(self, token_ids: torch.Tensor) -> Readback:
+        """The copy of `token_ids` [S] begun (on a GPU), or the tokens read (on a CPU)."""
+        self.num_tokens = len(token_ids)
+        if self.copied is None:
+            self.known = [int(t) for t in token_ids.tolist()]
+            return self
+        self.host[: self.num_tokens].copy_(token_ids, non_blocking=True)
+        self.copied.record()
+        return self
+
+    def ready(self) -> bool:
+        """Whether the tokens can be read without a wait."""
+        return self.copied is None or bool(self.copied.query())  # type: ignore[no-untyped-call]
+
+    def token_ids(self) -> list[int]:
+        """The tokens, once the copy is done (waited for here)."""
+        if self.copied is None:
+            return self.known
+        self.copied.synchronize()
+        return [int(t) for t in self.host[: self.num_tokens].tolist()]

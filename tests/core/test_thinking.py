@@ -80,9 +80,10 @@ def test_tokens_drafted_past_the_end_of_thinking_are_dropped() -> None:
     request, grammar = make_request("d"), Recording()
     request.constrain(grammar, DEEPSEEK)
     scheduler.add_request(request)
-    delta, status = scheduler.take(request, [(5, None), (END, None), (6, None)], 0.0, 0.0)
-    assert delta is not None
-    assert (delta.token_ids, status, request.output_token_ids) == ((5, END), None, [5, END])
+    taken = scheduler.outputs.take(request, [(5, None), (END, None), (6, None)], 0.0)
+    assert taken.delta is not None
+    assert (taken.delta.token_ids, taken.status) == ((5, END), None)
+    assert request.output_token_ids == [5, END]
     assert grammar.consumed == []
 
 

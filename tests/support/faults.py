@@ -4,7 +4,8 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
-from loom.core.step import ModelRunnerOutput, SchedulerOutput
+from loom.core.step import SchedulerOutput
+from loom.model.launched import Launched
 from loom.model.model_runner import ModelRunner
 from loom.model.sampler import Masks
 
@@ -15,25 +16,23 @@ def failing_at(step: int) -> type[ModelRunner]:
     class FailingRunner(ModelRunner):
         num_steps = 0
 
-        def execute_model(
-            self, output: SchedulerOutput, masks: Masks | None = None
-        ) -> ModelRunnerOutput:
+        def launch(self, output: SchedulerOutput, masks: Masks | None = None) -> Launched:
             self.num_steps += 1
             if self.num_steps == step:
                 raise RuntimeError("injected fault")
-            return super().execute_model(output, masks)
+            return super().launch(output, masks)
 
     return FailingRunner
 
 
-def calling_before_each_step(hook: Callable[[SchedulerOutput], None]) -> type[ModelRunner]:
-    """A runner that calls `hook(output)` in the worker thread as each step starts."""
+def calling_before_each_step(
+    hook: Callable[[SchedulerOutput], None], base: type[ModelRunner] = ModelRunner
+) -> type[ModelRunner]:
+    """A runner (a `base`) that calls `hook(output)` in the worker thread as each step starts."""
 
-    class HookedRunner(ModelRunner):
-        def execute_model(
-            self, output: SchedulerOutput, masks: Masks | None = None
-        ) -> ModelRunnerOutput:
+    class HookedRunner(base):  # type: ignore[valid-type,misc]
+        def launch(self, output: SchedulerOutput, masks: Masks | None = None) -> Launched:
             hook(output)
-            return super().execute_model(output, masks)
+            return super().launch(output, masks)
 
     return HookedRunner
