@@ -107,11 +107,13 @@ class SchedulerConfig:
         "tenant's first; one always runs",
         check=in_range(0, 60, low_open=True),
     )
-    async_scheduling: bool = setting(
-        True,
+    async_scheduling: bool | None = setting(
+        None,
         "overlap steps (vLLM's async scheduling): step N + 1 is scheduled and launched before "
         "step N's tokens are applied, which happens while N + 1 runs; a request that step N "
-        "finishes computes one token more, never emitted. Off under speculative decoding",
+        "finishes computes one token more, never emitted. Off under speculative decoding. "
+        "Unset: on where a step leaves the CPU's cores free (a GPU, the simulated model), off "
+        "where the model computes on them",
     )
     speculative: SpeculativeConfig = attrs.field(factory=SpeculativeConfig)
 

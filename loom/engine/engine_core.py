@@ -7,8 +7,9 @@ admitted requests; and the loop that steps them.
     stepping loop: expire deadlines and stalls ──▶ scheduler.schedule ────┘
         │ SchedulerOutput N + 1 (plain data)
         ▼
-    worker thread: runner.launch (forward, LM head on sampling rows, sample), once N is
-        ‖ launched; and another, for a step with constrained rows: their masks (Grammars.fill)
+    the model's thread (loom/engine/step_worker.py): runner.launch (forward, LM head on
+        ‖ sampling rows, sample), the moment N is launched; and another, for a step with
+        ‖ constrained rows: their masks (Grammars.fill)
         │ meanwhile, on the trio thread, step N lands: its ModelRunnerOutput (plain data)
         ▼
     scheduler.update, one pass: tokens applied, detokenised, every stop made, finished
@@ -49,23 +50,12 @@ from loom.engine.config import EngineConfig
 from loom.engine.observer import Observer
 from loom.engine.request_stream import RequestStream
 from loom.engine.stats import EngineStats
+from loom.engine.step_worker import Flight, StepWorker, step_worker
 from loom.model.grammar import Drafted, GrammarMatcher
-from loom.model.launched import Launched
 from loom.model.loader import LoadedModel
 from loom.model.model_runner import ModelRunner
 
 STATS_EVERY = 0.1  # seconds between the stats published for scrapes while stepping
-
-
-@attrs.define(eq=False)
-class Flight:
-    """A step scheduled and launched, and not yet applied: `result` once `launched` is set."""
-
-    output: SchedulerOutput
-    matchers: list[Drafted]  # its constrained rows', in the sampler's order
-    start: float  # time.perf_counter() when its launch began
-    launched: trio.Event = attrs.field(factory=trio.Event)
-    result: Launched | None = None
 
 
 class EngineCore:
@@ -87,13 +77,15 @@ class EngineCore:
             enable_caching=config.cache.enable_prefix_caching,
             sliding_window=runner.kv_window,
         )
-        self.scheduler = Scheduler(config.scheduler, blocks, OutputProcessor(loaded.tokenizer))
+        steps = config.scheduler
+        if steps.async_scheduling is None:  # overlapped where the step leaves the CPU free
+            steps = attrs.evolve(steps, async_scheduling=runner.frees_cpu)
+        self.scheduler = Scheduler(steps, blocks, OutputProcessor(loaded.tokenizer))
         self.admission = Admission.for_model(
             config, loaded, runner, self.scheduler, refused=observer.refused, push_out=self.push_out
         )
         self.streams: dict[str, RequestStream] = {}  # admitted, unfinished requests
         self.wakeup = trio.Event()
-        self.limiter = trio.CapacityLimiter(1)
 
     async def run(self) -> None:
         async with trio.open_nursery() as nursery:
@@ -113,15 +105,16 @@ class EngineCore:
 
     async def stepping_loop(self) -> None:
         """Schedule, launch, apply, publish; one step ahead where the step allows
-        (loom/core/overlap.py): step N + 1 is launched before step N's result is applied,
-        and N's tokens are applied, detokenised and published while N + 1 runs."""
-        async with trio.open_nursery() as nursery:  # the launches
+        (loom/core/overlap.py): step N + 1 is handed to the model's thread before step N's
+        result is applied, and N's tokens are applied, detokenised and published while N + 1
+        runs."""
+        async with step_worker(self.runner.launch) as worker:
             flight: Flight | None = None  # launched, and not yet applied
             while True:
                 self.wakeup = trio.Event()
                 self.expire(trio.current_time())
                 ahead = flight is None or self.runs_ahead(flight)
-                launched = self.launch(nursery, after=flight) if ahead else None
+                launched = self.launch(worker) if ahead else None
                 if flight is not None:
                     await self.land(flight)
                 elif launched is None:
@@ -139,43 +132,25 @@ class EngineCore:
         scheduler = self.scheduler
         return step_runs_ahead(scheduler.config, scheduler.requests, flight.output)
 
-    def launch(self, nursery: trio.Nursery, after: Flight | None) -> Flight | None:
-        """The next step, scheduled and handed to the runner's thread (which launches it once
-        the step `after` is launched: a pending token is the last launch's); None if there is
-        nothing to step."""
+    def launch(self, worker: StepWorker) -> Flight | None:
+        """The next step, scheduled and handed to the model's thread (which launches it once
+        the step before is launched: a pending token is the last launch's); None if there is
+        nothing to step. A step with constrained rows has their masks filled on a thread of
+        their own meanwhile; the runner waits for them after the forward."""
         output = self.scheduler.schedule(trio.current_time())
         if output is None:
             return None
         self.publish_stats(every=STATS_EVERY)
-        flight = Flight(output, self.constrained(output), time.perf_counter())
-        nursery.start_soon(self.run_launch, flight, after)
-        return flight
-
-    async def run_launch(self, flight: Flight, after: Flight | None) -> None:
-        """The step launched in the runner's thread, once the step `after` is launched."""
-        if after is not None:
-            await after.launched.wait()
-        flight.start = time.perf_counter()  # (its time: the launch and its result's wait)
-        # The constrained rows' masks, on a thread of their own while the forward runs; the
-        # runner's thread waits for them after the forward (and gets a fill's error).
-        grammars = self.admission.grammars
-        matchers = flight.matchers
+        matchers, grammars = self.constrained(output), self.admission.grammars
         masks = grammars.masking.submit(grammars.fill, matchers) if matchers else None
-        flight.result = await trio.to_thread.run_sync(
-            self.runner.launch,
-            flight.output,
-            masks.result if masks else None,
-            limiter=self.limiter,
-            abandon_on_cancel=False,
-        )
-        flight.launched.set()
+        flight = Flight(output, matchers, masks.result if masks else None)
+        worker.submit(flight)
+        return flight
 
     async def land(self, flight: Flight) -> None:
         """A launched step's result applied (`Scheduler.update`) and published."""
         await flight.launched.wait()
-        launched = flight.result
-        if launched is None:
-            raise RuntimeError("a step was launched without a result")
+        launched = flight.launched_result()
         if launched.ready():
             result = launched.output()
         else:  # the device's copy of its tokens is not in yet: waited for off the event loop

@@ -56,6 +56,7 @@ class ModelRunner:
         as fast there); True on a CPU runs it eagerly (the tests). `steps`: the scheduler's limits,
         which size the static step's buckets and the step a GPU profiles to plan its memory."""
         self.device, self.dtype = loaded.device, loaded.dtype  # the model's (the pool's may differ)
+        self.frees_cpu = self.device.type != "cpu"  # a step leaves the cores free: overlap steps
         if self.device.type == "cuda":  # this thread's current device: Triton launches there
             torch.cuda.set_device(self.device)
         steps = steps or SchedulerConfig(max_num_seqs=MAX_GRAPH_SEQS, max_num_batched_tokens=8192)

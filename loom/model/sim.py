@@ -145,6 +145,7 @@ class SimRunner(ModelRunner):
             )
         self.sim: SimModel = loaded.model
         self.device, self.dtype = loaded.device, loaded.dtype
+        self.frees_cpu = True  # a step sleeps
         self.block_size = cache.block_size
         self.kv_cache_shape = KVCacheShape(
             num_layers=0,

@@ -132,9 +132,15 @@ def test_scheduler_ahead_skips_a_request_whose_step_fills_its_buffer() -> None:
 @pytest.mark.parametrize(
     ("sampling", "config"),
     [
-        (SamplingParams(frequency_penalty=0.5), {}),  # the penalties count the token
+        (SamplingParams(frequency_penalty=0.5), {"async_scheduling": True}),  # (it counts)
         (SamplingParams(), {"async_scheduling": False}),
-        (SamplingParams(), {"speculative": SpeculativeConfig(speculative_method="ngram")}),
+        (
+            SamplingParams(),
+            {
+                "async_scheduling": True,
+                "speculative": SpeculativeConfig(speculative_method="ngram"),
+            },
+        ),
     ],
     ids=["penalties", "off", "speculative"],
 )
@@ -145,7 +151,7 @@ def test_overlap_runs_ahead_of_no_step_that_needs_its_tokens(
     scheduler.add_request(make_request("a", 3, sampling=sampling))
     first = schedule(scheduler)
     assert not step_runs_ahead(scheduler.config, scheduler.requests, first)
-    plain = make_scheduler()
+    plain = make_scheduler(async_scheduling=True)
     plain.add_request(make_request("a", 3))
     assert step_runs_ahead(plain.config, plain.requests, schedule(plain))
 
@@ -187,7 +193,9 @@ def test_scheduler_ahead_keeps_fair_shares() -> None:
     """Tenant a's two long requests hold both slots when tenant b's arrives: one of a's is
     preempted and b's runs within 30 steps, with steps ahead as without them (the serial loop
     takes 18 here, the loop ahead 10)."""
-    scheduler = make_scheduler(max_num_seqs=2, max_num_batched_tokens=64, num_blocks=256)
+    scheduler = make_scheduler(
+        max_num_seqs=2, max_num_batched_tokens=64, num_blocks=256, async_scheduling=True
+    )
     for name in ("a0", "a1"):
         request = make_request(name, 3, max_tokens=400)
         request.tenancy = Tenancy(tenant="a")

@@ -26,7 +26,7 @@ from loom.model.model_runner import ModelRunner
 from loom.model.sampler import Masks
 from loom.model.sim import SimRunner, load_sim
 from tests.conftest import tiny_model
-from tests.engine.test_engine import assert_idle, serving
+from tests.engine.test_engine import assert_idle, collect, serving
 from tests.support.faults import calling_before_each_step
 
 NUM_REQUESTS = 10
@@ -155,7 +155,8 @@ async def test_overlap_gives_the_serial_loop_s_tokens_finishes_and_aborts(model:
 async def test_overlap_never_puts_more_in_a_full_buffer(capacity: int) -> None:
     """A consumer that reads nothing: its request pauses with exactly `capacity` outputs in
     the buffer (no step ahead adds one), and gives every token once it reads."""
-    async with serving(tiny_model("llama"), output_buffer_size=capacity) as engine:
+    ahead = SchedulerConfig(async_scheduling=True)
+    async with serving(tiny_model("llama"), output_buffer_size=capacity, scheduler=ahead) as engine:
         with trio.fail_after(60):
             sampling = SamplingParams(temperature=0, max_tokens=40)
             stream = engine.submit([1, 2, 3], sampling)
@@ -167,3 +168,18 @@ async def test_overlap_never_puts_more_in_a_full_buffer(capacity: int) -> None:
             assert outputs[-1].finish_reason is FinishReason.LENGTH
             await engine.until(lambda: engine.stats().num_running == 0)
             assert_idle(engine)
+
+
+@pytest.mark.parametrize(("model", "overlaps"), [("tiny", False), ("sim", True)])
+async def test_overlap_by_default_where_a_step_leaves_the_cpu_free(
+    model: str, overlaps: bool
+) -> None:
+    """Unset, steps overlap with the simulated model (its steps sleep, as a GPU's leave the
+    CPU), not with a model computing on the CPU (its forward takes every core)."""
+    load, base = MODELS[model]
+    steps: list[SchedulerOutput] = []
+    async with serving(load(), calling_before_each_step(steps.append, base)) as engine:
+        with trio.fail_after(60):
+            outputs = await collect(engine, [1, 2, 3], SamplingParams(temperature=0, max_tokens=8))
+    assert sum(len(o.token_ids) for o in outputs) == 8
+    assert any(s.pending_token for step in steps for s in step.sequences) is overlaps
