@@ -53,6 +53,7 @@ MODEL_TESTS = [  # SmolLM2's GGUF stays behind (64 MiB travel): its tests are le
     "not smollm2",
     "tests/model/test_triton_decode.py",
     "tests/model/test_static_decode.py",
+    "tests/model/test_launched.py",
     "tests/model/test_triton_ops.py",
     "tests/model/test_sampling_noise.py",
     "tests/model/test_model_runner.py",

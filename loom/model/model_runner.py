@@ -63,11 +63,9 @@ class ModelRunner:
         self.block_size = cache.block_size
         kv_dtype = loaded.dtype if cache.kv_cache_dtype == "auto" else DTYPES[cache.kv_cache_dtype]
         self.model = DecoderModel(
-            loaded.model,
-            quantization=loaded.quantization,
-            tokenizer=loaded.tokenizer,
+            loaded.model, quantization=loaded.quantization, tokenizer=loaded.tokenizer,
             kv_dtype=kv_dtype,
-        )
+        )  # fmt: skip
         self.kv_cache_shape = self.model.kv_cache_shape(cache.block_size)
         draft = draft_model(loaded, kv_dtype)  # built before the pools are sized
         pools = 1 if draft is None else 2  # the draft model's pool: the target's shape
