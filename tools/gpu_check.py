@@ -54,6 +54,7 @@ MODEL_TESTS = [  # SmolLM2's GGUF stays behind (64 MiB travel): its tests are le
     "tests/model/test_triton_decode.py",
     "tests/model/test_static_decode.py",
     "tests/model/test_launched.py",
+    "tests/engine/test_overlap.py",
     "tests/model/test_triton_ops.py",
     "tests/model/test_sampling_noise.py",
     "tests/model/test_model_runner.py",

@@ -128,9 +128,12 @@ class EngineCore:
                 flight = launched
 
     def runs_ahead(self, flight: Flight) -> bool:
-        """Whether the next step may be launched before `flight` is applied."""
+        """Whether the next step may be launched before `flight` is applied: as the step
+        allows (loom/core/overlap.py), and not while its token masks may still be filling (one
+        fill at a time: a fill waits on its half in the same two threads)."""
         scheduler = self.scheduler
-        return step_runs_ahead(scheduler.config, scheduler.requests, flight.output)
+        allowed = step_runs_ahead(scheduler.config, scheduler.requests, flight.output)
+        return allowed and not flight.matchers
 
     def launch(self, worker: StepWorker) -> Flight | None:
         """The next step, scheduled and handed to the model's thread (which launches it once

@@ -9,13 +9,14 @@ Each `Flight` says when it is launched (`launched`, set in the trio thread) and 
 runner's `Launched`, or the error its launch raised; after an error no later step is launched
 (its pending tokens would be that step's), each failing with that error.
 
-The thread is started and stopped by `step_worker`: on the way out it is told to stop and
-waited for, whatever ended the stepping loop, so that no launch outlives the engine's run (the
-runner's pool and weights are freed after it).
+The thread is started and stopped by `step_worker`: on the way out the steps not begun are
+dropped, and the thread is waited for, whatever ended the stepping loop, so that no launch
+outlives the engine's run (the runner's pool and weights are freed after it).
 """
 
 from __future__ import annotations
 
+import contextlib
 import queue
 import time
 from collections.abc import AsyncIterator, Callable
@@ -74,21 +75,26 @@ class StepWorker:
                     flight.result = self.launch(flight.output, flight.masks)
                 except BaseException as error:  # raised in the trio thread, by `land`
                     flight.error = failed = error
-            try:
-                self.token.run_sync_soon(flight.launched.set)
-            except trio.RunFinishedError:
-                return
+            self.token.run_sync_soon(flight.launched.set)
+
+    def stop(self) -> None:
+        """No step handed over and not begun is launched; the thread ends after the one it
+        is launching, if any."""
+        with contextlib.suppress(queue.Empty):
+            while True:
+                self.queue.get_nowait()
+        self.queue.put(None)
 
 
 @asynccontextmanager
 async def step_worker(launch: Launch) -> AsyncIterator[StepWorker]:
-    """The worker, its thread running while the block runs (a thread of trio's, so that the
-    runner's code may call back with `trio.from_thread`); told to stop after it, and waited
-    for, whatever ended the block."""
+    """The worker, its thread running while the block runs (a thread of trio's: a test's
+    runner calls back with `trio.from_thread`); stopped after it, and waited for, whatever
+    ended the block."""
     worker = StepWorker(launch, trio.lowlevel.current_trio_token())
     async with trio.open_nursery() as nursery:
         nursery.start_soon(partial(trio.to_thread.run_sync, worker.work, abandon_on_cancel=False))
         try:
             yield worker
         finally:
-            worker.queue.put(None)
+            worker.stop()

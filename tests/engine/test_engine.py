@@ -581,10 +581,13 @@ async def test_engine_drain_finishes_admitted_requests_then_returns() -> None:
     assert len(tokens_of(outputs)) == 30
 
 
+@pytest.mark.parametrize("ahead", [False, True], ids=["serial", "overlapped"])
 async def test_engine_crash_in_a_step_fails_every_consumer_loudly(
-    caplog: pytest.LogCaptureFixture,
+    caplog: pytest.LogCaptureFixture, ahead: bool
 ) -> None:
-    engine = Engine(EngineConfig(), lambda: tiny_model("llama"), make_runner=failing_at(5))
+    """The fifth launch raises (with steps overlapped, while the fourth is being applied)."""
+    config = EngineConfig(scheduler=SchedulerConfig(async_scheduling=ahead))
+    engine = Engine(config, lambda: tiny_model("llama"), make_runner=failing_at(5))
     finals: list[RequestOutput] = []
     crashes: list[BaseException] = []
 
@@ -634,13 +637,14 @@ ABORT_POINTS = ("never", "queued", "first_output", "mid_decode", "final_step")
         max_size=10,
     ),
     num_blocks=st.sampled_from([12, 40]),
+    ahead=st.booleans(),  # steps overlapped
 )
 async def test_engine_abort_storm_leaves_every_block_free(
-    cases: list[tuple[int, int, str, int]], num_blocks: int
+    cases: list[tuple[int, int, str, int]], num_blocks: int, ahead: bool
 ) -> None:
     config = {
         "cache": CacheConfig(block_size=4, num_blocks=num_blocks),
-        "scheduler": SchedulerConfig(max_num_batched_tokens=12),
+        "scheduler": SchedulerConfig(max_num_batched_tokens=12, async_scheduling=ahead),
     }
     async with serving(tiny_model("llama"), **config) as engine:
 
