@@ -58,9 +58,13 @@ def step_runs_ahead(
     config: SchedulerConfig, requests: Mapping[str, Request], output: SchedulerOutput
 ) -> bool:
     """Whether the step after `output` may be scheduled before its result is applied: with
-    async scheduling on, no drafts (each step's drafts follow the tokens before it), and every
-    request of it that is still unfinished (in `requests`) `runs_ahead`."""
+    async scheduling on, no drafts (each step's drafts follow the tokens before it), no
+    constrained row (its masks may still be filling: one fill at a time, for a fill waits on
+    its other half in the same two threads, loom/model/grammar.py), and every request of it
+    still unfinished (in `requests`) `runs_ahead`."""
     if not config.async_scheduling or config.speculative.speculative_method is not None:
+        return False
+    if any(seq.sampling is not None and seq.sampling.constrained for seq in output.sequences):
         return False
     found = (requests.get(seq.request_id) for seq in output.sequences)
     return all(runs_ahead(r) for r in found if r is not None)

@@ -78,13 +78,13 @@ class Request:
     output_token_ids: list[int] = attrs.field(factory=list)
     num_computed_tokens: int = 0
     # Tokens sampled in steps scheduled and not yet applied (overlapped scheduling,
-    # loom/core/scheduler.py): counted in `num_tokens`, their values not yet known.
+    # loom/core/overlap.py): counted in `num_tokens`, their values not yet known.
     num_output_placeholders: int = 0
     num_steps_in_flight: int = 0  # steps scheduled with it and not yet applied
     status: RequestStatus = RequestStatus.WAITING
     num_preemptions: int = 0
     paused_since: float | None = None  # its consumer's buffer is full: not scheduled
-    output_room: int | None = None  # outputs its consumer's buffer took more, at the last
+    output_room: int | None = None  # room left in its consumer's buffer (the engine's count)
     first_scheduled_time: float | None = None
     first_token_time: float | None = None
     last_step: int = -1  # the scheduler's count of steps when it was last in one

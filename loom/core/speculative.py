@@ -119,8 +119,6 @@ class Speculation:
                 break
             if num_new != 1 or request.num_tokens - request.num_computed_tokens != 1:
                 continue  # a prompt chunk
-            if request.num_output_placeholders:
-                continue  # its last token is not known yet (overlapped scheduling)
             constrained = request.matcher or request.held  # (held: it binds after thinking)
             if not request.sampling.speculative or (method == "draft" and constrained):
                 continue

@@ -128,12 +128,9 @@ class EngineCore:
                 flight = launched
 
     def runs_ahead(self, flight: Flight) -> bool:
-        """Whether the next step may be launched before `flight` is applied: as the step
-        allows (loom/core/overlap.py), and not while its token masks may still be filling (one
-        fill at a time: a fill waits on its half in the same two threads)."""
+        """Whether the next step may be launched before `flight` is applied."""
         scheduler = self.scheduler
-        allowed = step_runs_ahead(scheduler.config, scheduler.requests, flight.output)
-        return allowed and not flight.matchers
+        return step_runs_ahead(scheduler.config, scheduler.requests, flight.output)
 
     def launch(self, worker: StepWorker) -> Flight | None:
         """The next step, scheduled and handed to the model's thread (which launches it once

@@ -1,7 +1,7 @@
 """Overlapped steps, the runner's side: a launched step's output, which may come later than the
 launch, and the tokens a step sampled, kept on the device for the step after it.
 
-With overlapped scheduling (loom/core/scheduler.py) step N + 1 is scheduled and launched before
+With overlapped scheduling (loom/core/overlap.py) step N + 1 is scheduled and launched before
 step N's tokens reach the host. A request of both decodes in N + 1 the token it samples in N:
 its `ScheduledSequence.pending_token` row holds a placeholder, and the runner copies the token
 into the step's input ids on the device, from the ids step N left there (`SampledTokens`). So
@@ -18,6 +18,7 @@ C and A are pending and D is a prompt chunk of 3 tokens [d0, d1, d2]. Flat input
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
+from itertools import accumulate
 
 import attrs
 import torch
@@ -66,10 +67,14 @@ class SampledTokens:
             found.append((i, row))
         return found
 
-    def fill(self, input_ids: torch.Tensor, at: list[int], rows: list[int]) -> None:
-        """`input_ids[at[j]] = token_ids[rows[j]]`, on the device (no wait for the host)."""
-        if not at:
+    def fill(self, input_ids: torch.Tensor, sequences: Sequence[ScheduledSequence]) -> None:
+        """The pending tokens put in a step's flat `input_ids` (the sequences' tokens one after
+        another), on the device: no wait for the host."""
+        sources = self.sources(sequences)
+        if not sources:
             return
+        starts = list(accumulate((len(seq.token_ids) for seq in sequences), initial=0))
         device = input_ids.device
-        picked = self.token_ids[torch.tensor(rows, device=device)]
-        input_ids[torch.tensor(at, device=device)] = picked.to(input_ids.dtype)
+        picked = self.token_ids[torch.tensor([row for _, row in sources], device=device)]
+        at = torch.tensor([starts[i] for i, _ in sources], device=device)
+        input_ids[at] = picked.to(input_ids.dtype)

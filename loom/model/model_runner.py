@@ -256,11 +256,9 @@ class ModelRunner:
         if model is None and self.static is not None and self.static.takes(sequences):
             return self.static.run(sequences, self.last_sampled).hidden
         model, kv_cache = model or self.model, kv_cache or self.kv_cache
-        input_ids = torch.tensor([t for seq in sequences for t in seq.token_ids])
-        starts = torch.tensor([0] + [len(seq.token_ids) for seq in sequences]).cumsum(0).tolist()
-        sources = self.last_sampled.sources(sequences)
-        input_ids = input_ids.to(self.device)
-        self.last_sampled.fill(input_ids, [starts[i] for i, _ in sources], [r for _, r in sources])
+        flat = [t for seq in sequences for t in seq.token_ids]
+        input_ids = torch.tensor(flat, device=self.device)
+        self.last_sampled.fill(input_ids, sequences)  # the pending tokens, from the last launch
         return model.forward(
             input_ids,
             positions(sequences).to(self.device),

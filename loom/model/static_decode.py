@@ -137,8 +137,9 @@ class StaticDecode:
         positions = self.write_fields(sequences, rows)
         sampled = sampled or SampledTokens.none()
         sources = sampled.sources(sequences)  # (row, its token's row in `sampled`) each
-        pending = self.host[FIELDS * most : (FIELDS + 2) * most].view(2, most)
-        pending[:, : len(sources)] = torch.tensor(sources, dtype=torch.long).view(-1, 2).T
+        if sources:
+            pending = self.host[FIELDS * most : (FIELDS + 2) * most].view(2, most)
+            pending[:, : len(sources)] = torch.tensor(sources).T
         width = max((p // self.block_size + 1 for p in positions), default=1)
         tables = [
             list(s.block_table[:width]) + [0] * (width - len(s.block_table)) for s in sequences
@@ -253,7 +254,7 @@ class Readback:
         """The copy of `token_ids` [S] begun (on a GPU), or the tokens read (on a CPU)."""
         self.num_tokens = len(token_ids)
         if self.copied is None:
-            self.known = [int(t) for t in token_ids.tolist()]
+            self.known = token_ids.tolist()
             return self
         self.host[: self.num_tokens].copy_(token_ids, non_blocking=True)
         self.copied.record()
@@ -268,4 +269,5 @@ class Readback:
         if self.copied is None:
             return self.known
         self.copied.synchronize()
-        return [int(t) for t in self.host[: self.num_tokens].tolist()]
+        found: list[int] = self.host[: self.num_tokens].tolist()
+        return found

@@ -13,6 +13,7 @@ from loom.core.speculative import SpeculativeConfig
 from loom.core.step import PLACEHOLDER, ModelRunnerOutput, SchedulerOutput
 from loom.core.tenancy import Tenancy
 from tests.core.test_scheduler import make_scheduler, shape
+from tests.core.test_thinking import Recording
 from tests.support.factory import make_request, sampled
 
 
@@ -231,3 +232,17 @@ def test_scheduler_caches_the_blocks_a_draft_model_s_steps_fill() -> None:
         )
         scheduler.update(output, result, now=0.0)
     assert scheduler.block_manager.num_cached_blocks == (8 + 40 - 1) // 4  # (the last: no K/V)
+
+
+def test_overlap_runs_ahead_of_no_step_with_constrained_rows_even_once_they_ended() -> None:
+    """Its masks may still be filling, whether or not its requests still run: no second fill
+    may start beside it (a fill waits on its other half in the same two threads)."""
+    scheduler = make_scheduler(async_scheduling=True)
+    request = make_request("g", 3)
+    request.constrain(Recording())
+    scheduler.add_request(request)
+    first = schedule(scheduler)
+    assert first.sequences[0].sampling is not None
+    assert first.sequences[0].sampling.constrained
+    scheduler.finish(request, RequestStatus.FINISHED_ABORTED)
+    assert not step_runs_ahead(scheduler.config, scheduler.requests, first)

@@ -413,8 +413,12 @@ async def test_engine_deadline_passing_in_the_queue() -> None:
         assert_idle(engine)
 
 
-async def test_engine_deadline_passing_mid_decode(idle_jump_clock: trio.abc.Clock) -> None:
-    async with serving(tiny_model("llama"), output_buffer_size=3) as engine:
+@pytest.mark.parametrize("ahead", [False, True], ids=["serial", "overlapped"])
+async def test_engine_deadline_passing_mid_decode(
+    idle_jump_clock: trio.abc.Clock, ahead: bool
+) -> None:
+    steps = SchedulerConfig(async_scheduling=ahead)
+    async with serving(tiny_model("llama"), output_buffer_size=3, scheduler=steps) as engine:
         with trio.fail_after(60):
             sampling = SamplingParams(temperature=0, max_tokens=400)
             deadline = trio.current_time() + 1.0
@@ -428,7 +432,10 @@ async def test_engine_deadline_passing_mid_decode(idle_jump_clock: trio.abc.Cloc
             assert_idle(engine)
 
 
-async def test_engine_deadline_passing_during_the_final_step_is_not_a_normal_finish() -> None:
+@pytest.mark.parametrize("ahead", [False, True], ids=["serial", "overlapped"])
+async def test_engine_deadline_passing_during_the_final_step_is_not_a_normal_finish(
+    ahead: bool,
+) -> None:
     """The last step starts before the deadline and ends after it: the client gets DEADLINE
     (an abort wins over the normal finish), and the token of that step is dropped."""
     deadline_wall: list[float] = []  # trio's clock is perf_counter's, moved: both, same instant
@@ -439,7 +446,8 @@ async def test_engine_deadline_passing_during_the_final_step_is_not_a_normal_fin
             time.sleep(max(0.0, deadline_wall[0] - time.perf_counter()) + 0.1)
 
     runner = calling_before_each_step(slow_final_step)
-    async with serving(tiny_model("llama"), make_runner=runner) as engine:
+    steps = SchedulerConfig(async_scheduling=ahead)
+    async with serving(tiny_model("llama"), make_runner=runner, scheduler=steps) as engine:
         with trio.fail_after(30):
             sampling = SamplingParams(temperature=0, max_tokens=5)
             deadline_wall.append(time.perf_counter() + 3.0)
@@ -451,10 +459,12 @@ async def test_engine_deadline_passing_during_the_final_step_is_not_a_normal_fin
         assert_idle(engine)
 
 
-async def test_engine_pauses_a_full_buffer_and_resumes_when_drained() -> None:
+@pytest.mark.parametrize("ahead", [False, True], ids=["serial", "overlapped"])
+async def test_engine_pauses_a_full_buffer_and_resumes_when_drained(ahead: bool) -> None:
     loaded = tiny_model("llama")
     expected = reference_tokens(loaded.model, [3, 1, 4], 30)
-    async with serving(loaded, output_buffer_size=4) as engine:
+    steps = SchedulerConfig(async_scheduling=ahead)
+    async with serving(loaded, output_buffer_size=4, scheduler=steps) as engine:
         with trio.fail_after(60):
             slow = engine.submit([3, 1, 4], SamplingParams(temperature=0, max_tokens=30))
             await engine.until(lambda: engine.stats().num_paused)
